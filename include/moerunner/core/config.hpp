@@ -1,0 +1,120 @@
+// MoeRunnerConfig: the static description of one MoE layer, validated when built.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "moerunner/core/error.hpp"
+
+namespace moerunner {
+
+enum class activation_kind : std::uint8_t { silu, gelu, swiglu_clamped };
+
+constexpr std::string_view activation_name(activation_kind k) {
+  switch (k) {
+    case activation_kind::silu: return "silu";
+    case activation_kind::gelu: return "gelu";
+    case activation_kind::swiglu_clamped: return "swiglu_clamped";
+  }
+  return "?";
+}
+
+// The gated activation applied between the two GEMMs. For swiglu_clamped (gpt-oss):
+//   g = min(gate, limit); u = clamp(up, -limit, limit); out = (u + 1) * g * sigmoid(alpha * g).
+struct activation {
+  activation_kind kind = activation_kind::silu;
+  float alpha = 1.702f;
+  float limit = 7.0f;
+};
+
+// Plain aggregate for designated initializers; MoeRunnerConfig validates it.
+struct moe_config_params {
+  int num_experts = 0;
+  int num_local_experts = 0;  // 0 means "all experts are local"
+  int hidden_size = 0;
+  int intermediate_size = 0;  // per expert, I
+  int top_k = 0;
+  activation act{};
+  bool is_gated = true;  // w13 holds gate and up rows [2I, H]; false means w1 only [I, H]
+  bool apply_router_weight_on_input = false;
+  float routed_scaling_factor = 1.0f;
+  bool no_combine = false;  // leave the [M, k, H] rows uncombined
+  bool inplace = false;     // write the output over hidden_states
+};
+
+inline constexpr int max_top_k = 32;
+inline constexpr int max_num_experts = 4096;
+
+class MoeRunnerConfig {
+ public:
+  explicit MoeRunnerConfig(const moe_config_params& p) : p_(p) {
+    if (p_.num_local_experts == 0) p_.num_local_experts = p_.num_experts;
+    validate();
+  }
+
+  int num_experts() const { return p_.num_experts; }
+  int num_local_experts() const { return p_.num_local_experts; }
+  int hidden_size() const { return p_.hidden_size; }
+  int intermediate_size() const { return p_.intermediate_size; }
+  int top_k() const { return p_.top_k; }
+  const activation& act() const { return p_.act; }
+  bool is_gated() const { return p_.is_gated; }
+  bool apply_router_weight_on_input() const { return p_.apply_router_weight_on_input; }
+  float routed_scaling_factor() const { return p_.routed_scaling_factor; }
+  bool no_combine() const { return p_.no_combine; }
+  bool inplace() const { return p_.inplace; }
+  // Rows of w13 per expert: 2I when gated, I otherwise.
+  int w13_rows() const { return p_.is_gated ? 2 * p_.intermediate_size : p_.intermediate_size; }
+  const moe_config_params& params() const { return p_; }
+
+ private:
+  void validate() const {
+    constexpr const char* where = "MoeRunnerConfig";
+    auto in_range = [](std::int64_t v, std::int64_t lo, std::int64_t hi) { return v >= lo && v <= hi; };
+    MOE_EXPECT(in_range(p_.num_experts, 1, max_num_experts), where,
+               "num_experts must be in [1, " + std::to_string(max_num_experts) + "], got " +
+                   std::to_string(p_.num_experts));
+    MOE_EXPECT(in_range(p_.num_local_experts, 1, p_.num_experts), where,
+               "num_local_experts must be in [1, num_experts=" + std::to_string(p_.num_experts) + "], got " +
+                   std::to_string(p_.num_local_experts));
+    MOE_EXPECT(p_.hidden_size > 0, where, "hidden_size must be positive, got " + std::to_string(p_.hidden_size));
+    MOE_EXPECT(p_.intermediate_size > 0, where,
+               "intermediate_size must be positive, got " + std::to_string(p_.intermediate_size));
+    MOE_EXPECT(in_range(p_.top_k, 1, std::min(p_.num_experts, max_top_k)), where,
+               "top_k must be in [1, min(num_experts, " + std::to_string(max_top_k) + ")], got " +
+                   std::to_string(p_.top_k));
+    MOE_EXPECT(std::isfinite(p_.routed_scaling_factor) && p_.routed_scaling_factor > 0.0f, where,
+               "routed_scaling_factor must be finite and positive");
+    if (p_.act.kind == activation_kind::swiglu_clamped) {
+      MOE_EXPECT(p_.is_gated, where, "swiglu_clamped needs is_gated = true");
+      MOE_EXPECT(std::isfinite(p_.act.alpha) && p_.act.alpha > 0.0f, where,
+                 "swiglu_clamped alpha must be finite and positive");
+      MOE_EXPECT(std::isfinite(p_.act.limit) && p_.act.limit > 0.0f, where,
+                 "swiglu_clamped limit must be finite and positive");
+    }
+    MOE_EXPECT(!p_.apply_router_weight_on_input || p_.top_k == 1, where,
+               "apply_router_weight_on_input needs top_k = 1 (the weight scales the shared input row)");
+    MOE_EXPECT(!(p_.inplace && p_.no_combine), where, "inplace and no_combine exclude each other");
+  }
+
+  moe_config_params p_;
+};
+
+enum class scoring_func : std::uint8_t { softmax, sigmoid };
+
+// Routing (top-k) settings, kept apart from the runner config as the engines do.
+struct topk_config {
+  int top_k = 0;
+  scoring_func scoring = scoring_func::softmax;
+  bool renormalize = true;
+  int num_expert_group = 0;  // 0: no grouping
+  int topk_group = 0;
+  float routed_scaling_factor = 1.0f;
+  // Fold routed_scaling_factor into topk_weights; the combine step then does not apply it again.
+  bool apply_routed_scaling_factor_on_weights = false;
+};
+
+}  // namespace moerunner

@@ -1,0 +1,48 @@
+// Quant methods: how a layer's weights become the quant info a backend consumes.
+// get_moe_quant_info(method, weights, backend) is the backend-neutral entry point.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "moerunner/core/concepts.hpp"
+#include "moerunner/quant/quant_info.hpp"
+
+namespace moerunner {
+
+// bf16 / fp16 / f32 weights; feeds any backend that lists unquantized_quant_info.
+struct unquantized_method {
+  static constexpr std::string_view name = "unquantized";
+
+  template <class P>
+    requires concept_parts::runs_with<P, unquantized_quant_info>
+  unquantized_quant_info get_moe_quant_info(const moe_weights& w, backend_tag<P>) const {
+    return {w.w13, w.w2};
+  }
+};
+
+// fp8 e4m3 weights with 128x128 block scales; feeds backends that list fp8_block_quant_info.
+struct fp8_block_method {
+  static constexpr std::string_view name = "fp8_block";
+
+  template <class P>
+    requires concept_parts::runs_with<P, fp8_block_quant_info>
+  fp8_block_quant_info get_moe_quant_info(const moe_weights& w, backend_tag<P>) const {
+    return {w.w13, w.w13_scale, w.w2, w.w2_scale};
+  }
+};
+
+// Static pair: a method that cannot feed the backend fails to compile, with a sentence.
+template <class P, class QM>
+auto get_moe_quant_info(const QM& method, const moe_weights& weights) {
+  static_assert(explain_quant_info_provider<QM, P>());
+  return method.get_moe_quant_info(weights, backend_tag<P>{});
+}
+
+// The runtime message used where a backend name decides the pair.
+inline std::string no_quant_info_message(std::string_view method, std::string_view backend) {
+  return "quant method '" + std::string(method) + "' does not expose quant info for backend '" +
+         std::string(backend) + "'";
+}
+
+}  // namespace moerunner

@@ -1,0 +1,103 @@
+// Checks every runner performs before a policy sees its arguments, so that a
+// rejected call writes nothing.
+#pragma once
+
+#include <string>
+
+#include "moerunner/core/config.hpp"
+#include "moerunner/core/types.hpp"
+#include "moerunner/quant/quant_info.hpp"
+
+namespace moerunner::detail {
+
+inline void validate_dispatch(const MoeRunnerConfig& cfg, const DispatchOutput& d, const tensor_view& out,
+                              memory_space space, const char* where) {
+  const tensor_view& x = d.hidden_states;
+  check::rank(x, 2, where, "hidden_states");
+  check::space(x, space, where, "hidden_states");
+  check::contiguous(x, where, "hidden_states");
+  check::non_null(x, where, "hidden_states");
+  MOE_EXPECT(is_activation_dtype(x.type) || x.type == dtype::f8_e4m3, where,
+             "hidden_states must be f32, f16, bf16 or f8_e4m3, got " + std::string(dtype_name(x.type)));
+  check::dim(x, 1, cfg.hidden_size(), where, "hidden_states");
+  const std::int64_t m = x.shape[0];
+  check::dense(d.topk.topk_weights, 2, dtype::f32, space, where, "topk_weights");
+  check::dense(d.topk.topk_ids, 2, dtype::i32, space, where, "topk_ids");
+  check::dim(d.topk.topk_weights, 0, m, where, "topk_weights");
+  check::dim(d.topk.topk_weights, 1, cfg.top_k(), where, "topk_weights");
+  check::dim(d.topk.topk_ids, 0, m, where, "topk_ids");
+  check::dim(d.topk.topk_ids, 1, cfg.top_k(), where, "topk_ids");
+  if (x.type == dtype::f8_e4m3) {
+    const std::int64_t groups = (cfg.hidden_size() + 127) / 128;
+    check::dense(d.hidden_scales, 2, dtype::f32, space, where, "hidden_scales");
+    check::dim(d.hidden_scales, 0, m, where, "hidden_scales");
+    check::dim(d.hidden_scales, 1, groups, where, "hidden_scales");
+  }
+  const dtype out_type = x.type == dtype::f8_e4m3 ? dtype::bf16 : x.type;
+  if (cfg.no_combine()) {
+    check::dense(out, 3, out.type, space, where, "output");
+    check::dim(out, 0, m, where, "output");
+    check::dim(out, 1, cfg.top_k(), where, "output");
+    check::dim(out, 2, cfg.hidden_size(), where, "output");
+  } else {
+    check::dense(out, 2, out.type, space, where, "output");
+    check::dim(out, 0, m, where, "output");
+    check::dim(out, 1, cfg.hidden_size(), where, "output");
+  }
+  MOE_EXPECT(out.type == out_type, where,
+             "output must be " + std::string(dtype_name(out_type)) + " to match hidden_states, got " +
+                 std::string(dtype_name(out.type)));
+  if (cfg.inplace()) {
+    MOE_EXPECT(out.data == x.data, where, "inplace is set but output does not alias hidden_states");
+  } else if (m > 0) {
+    const auto* o0 = static_cast<const char*>(out.data);
+    const auto* x0 = static_cast<const char*>(x.data);
+    MOE_EXPECT(o0 + out.bytes() <= x0 || x0 + x.bytes() <= o0, where,
+               "output overlaps hidden_states; set inplace to write over the input");
+  }
+}
+
+inline void validate_weight(const tensor_view& w, std::int64_t e, std::int64_t rows, std::int64_t cols,
+                            memory_space space, const char* where, const char* what) {
+  check::rank(w, 3, where, what);
+  check::space(w, space, where, what);
+  check::contiguous(w, where, what);
+  check::non_null(w, where, what);
+  check::dim(w, 0, e, where, what);
+  check::dim(w, 1, rows, where, what);
+  check::dim(w, 2, cols, where, what);
+}
+
+inline void validate_quant_info(const MoeRunnerConfig& cfg, const unquantized_quant_info& q, memory_space space,
+                                const char* where) {
+  validate_weight(q.w13, cfg.num_local_experts(), cfg.w13_rows(), cfg.hidden_size(), space, where, "w13");
+  validate_weight(q.w2, cfg.num_local_experts(), cfg.hidden_size(), cfg.intermediate_size(), space, where, "w2");
+  MOE_EXPECT(is_activation_dtype(q.w13.type), where,
+             "unquantized w13 must be f32, f16 or bf16, got " + std::string(dtype_name(q.w13.type)));
+  MOE_EXPECT(q.w2.type == q.w13.type, where, "w2 and w13 must have the same dtype");
+}
+
+inline void validate_quant_info(const MoeRunnerConfig& cfg, const fp8_block_quant_info& q, memory_space space,
+                                const char* where) {
+  constexpr int b = fp8_block_quant_info::block;
+  const auto blocks = [](std::int64_t n) { return (n + b - 1) / b; };
+  validate_weight(q.w13, cfg.num_local_experts(), cfg.w13_rows(), cfg.hidden_size(), space, where, "w13");
+  validate_weight(q.w2, cfg.num_local_experts(), cfg.hidden_size(), cfg.intermediate_size(), space, where, "w2");
+  check::type(q.w13, dtype::f8_e4m3, where, "w13");
+  check::type(q.w2, dtype::f8_e4m3, where, "w2");
+  validate_weight(q.w13_scale, cfg.num_local_experts(), blocks(cfg.w13_rows()), blocks(cfg.hidden_size()), space,
+                  where, "w13_scale");
+  validate_weight(q.w2_scale, cfg.num_local_experts(), blocks(cfg.hidden_size()), blocks(cfg.intermediate_size()),
+                  space, where, "w2_scale");
+  check::type(q.w13_scale, dtype::f32, where, "w13_scale");
+  check::type(q.w2_scale, dtype::f32, where, "w2_scale");
+}
+
+inline void validate_workspace(std::size_t needed, const workspace_view& ws, const char* where) {
+  MOE_EXPECT(ws.bytes >= needed, where,
+             "workspace too small: " + std::to_string(ws.bytes) + " bytes given, " + std::to_string(needed) +
+                 " needed (ask workspace_bytes)");
+  MOE_EXPECT(needed == 0 || ws.data != nullptr, where, "workspace has a null data pointer");
+}
+
+}  // namespace moerunner::detail

@@ -1,0 +1,158 @@
+// The `reference` backend: the whole runner core on the host, in double.
+// It is the oracle for every other backend and the default where no GPU exists.
+// It allocates host scratch internally (its workspace query is 0).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "moerunner/core/concepts.hpp"
+#include "moerunner/core/host_float.hpp"
+#include "moerunner/reference/activation.hpp"
+#include "moerunner/reference/routing.hpp"
+
+namespace moerunner {
+
+namespace reference {
+
+// Quantizes `v` (length n) in groups of 128 to e4m3 with scale amax/448 and returns
+// the dequantized values: the activation path of the fp8 block format.
+inline void fp8_group_roundtrip(std::vector<double>& v) {
+  for (std::size_t g = 0; g < v.size(); g += 128) {
+    const std::size_t end = std::min(v.size(), g + 128);
+    double amax = 0.0;
+    for (std::size_t i = g; i < end; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float scale = amax > 0.0 ? static_cast<float>(amax / 448.0) : 1.0f;
+    for (std::size_t i = g; i < end; ++i)
+      v[i] = static_cast<double>(host_float::e4m3_to_float(host_float::float_to_e4m3(static_cast<float>(v[i] / scale)))) * scale;
+  }
+}
+
+inline void store_from_double(const tensor_view& t, std::int64_t i, double v) {
+  const float f = static_cast<float>(v);
+  switch (t.type) {
+    case dtype::f32: t.ptr<float>()[i] = f; break;
+    case dtype::bf16: t.ptr<std::uint16_t>()[i] = host_float::float_to_bf16(f); break;
+    case dtype::f16: t.ptr<std::uint16_t>()[i] = host_float::float_to_half(f); break;
+    default: break;  // output dtypes are checked before any store
+  }
+}
+
+// One expert's weight matrix [rows, cols] as doubles, dequantized when block-scaled.
+class expert_matrix {
+ public:
+  expert_matrix(const tensor_view& w, const tensor_view* scale, int expert) : w_(w), scale_(scale), e_(expert) {}
+  double operator()(std::int64_t r, std::int64_t c) const {
+    const std::int64_t rows = w_.shape[1], cols = w_.shape[2];
+    double v = detail::load_as_float(w_, (e_ * rows + r) * cols + c);
+    if (scale_) {
+      const std::int64_t sr = scale_->shape[1], sc = scale_->shape[2];
+      v *= scale_->ptr<const float>()[(e_ * sr + r / 128) * sc + c / 128];
+    }
+    return v;
+  }
+
+ private:
+  const tensor_view& w_;
+  const tensor_view* scale_;
+  std::int64_t e_;
+};
+
+}  // namespace reference
+
+class reference_policy {
+ public:
+  static constexpr std::string_view name = "reference";
+  static constexpr memory_space tensor_space = memory_space::host;
+  using quant_infos = quant_info_list<unquantized_quant_info, fp8_block_quant_info>;
+
+  explicit reference_policy(const MoeRunnerConfig& cfg) : cfg_(cfg) {}
+  std::size_t workspace_bytes(std::int64_t) const { return 0; }
+
+  CombineInput run_from_dispatch(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
+                                 workspace_view, cuda::stream_ref) const {
+    run(d, q.w13, nullptr, q.w2, nullptr, false, out);
+    return {out, !cfg_.no_combine()};
+  }
+
+  CombineInput run_from_dispatch(const DispatchOutput& d, const fp8_block_quant_info& q, const tensor_view& out,
+                                 workspace_view, cuda::stream_ref) const {
+    run(d, q.w13, &q.w13_scale, q.w2, &q.w2_scale, true, out);
+    return {out, !cfg_.no_combine()};
+  }
+
+ private:
+  void validate_ids(const DispatchOutput& d) const {
+    const auto* ids = d.topk.topk_ids.ptr<const std::int32_t>();
+    const std::int64_t n = d.topk.topk_ids.numel();
+    for (std::int64_t i = 0; i < n; ++i)
+      MOE_EXPECT(ids[i] >= -1 && ids[i] < cfg_.num_local_experts(), "reference_policy",
+                 "topk_ids[" + std::to_string(i / cfg_.top_k()) + ", " + std::to_string(i % cfg_.top_k()) + "] = " +
+                     std::to_string(ids[i]) + " is outside [-1, num_local_experts=" +
+                     std::to_string(cfg_.num_local_experts()) + ")");
+  }
+
+  // Loads token t's input row as doubles (dequantizing fp8 activations by their group scales).
+  std::vector<double> load_row(const DispatchOutput& d, std::int64_t t) const {
+    const int h = cfg_.hidden_size();
+    std::vector<double> x(h);
+    for (int c = 0; c < h; ++c) {
+      x[c] = reference::detail::load_as_float(d.hidden_states, t * h + c);
+      if (d.hidden_states.type == dtype::f8_e4m3)
+        x[c] *= d.hidden_scales.ptr<const float>()[t * d.hidden_scales.shape[1] + c / 128];
+    }
+    return x;
+  }
+
+  void run(const DispatchOutput& d, const tensor_view& w13, const tensor_view* s13, const tensor_view& w2,
+           const tensor_view* s2, bool fp8, const tensor_view& out) const {
+    validate_ids(d);  // before any store: a rejected call writes nothing
+    const std::int64_t m = d.num_tokens();
+    const int k = cfg_.top_k(), h = cfg_.hidden_size(), inter = cfg_.intermediate_size();
+    const double scaling = d.topk.routed_scaling_applied ? 1.0 : cfg_.routed_scaling_factor();
+    const auto* ids = d.topk.topk_ids.ptr<const std::int32_t>();
+    const auto* wts = d.topk.topk_weights.ptr<const float>();
+    // Rows are computed into a buffer first so that inplace (out aliases x) is safe.
+    std::vector<double> result(static_cast<std::size_t>(m) * (cfg_.no_combine() ? k : 1) * h, 0.0);
+    std::vector<double> act(inter), y(h);
+    for (std::int64_t t = 0; t < m; ++t) {
+      const std::vector<double> x0 = load_row(d, t);
+      for (int j = 0; j < k; ++j) {
+        const int e = ids[t * k + j];
+        if (e < 0) continue;  // filtered slot: contributes nothing
+        const double wgt = wts[t * k + j];
+        std::vector<double> x = x0;
+        if (cfg_.apply_router_weight_on_input())
+          for (double& v : x) v *= wgt;
+        if (fp8 && d.hidden_states.type != dtype::f8_e4m3) reference::fp8_group_roundtrip(x);
+        const reference::expert_matrix a(w13, s13, e), b(w2, s2, e);
+        for (int i = 0; i < inter; ++i) {
+          double gate = 0.0, up = 0.0;
+          for (int c = 0; c < h; ++c) gate += a(i, c) * x[c];
+          if (cfg_.is_gated())
+            for (int c = 0; c < h; ++c) up += a(inter + i, c) * x[c];
+          act[i] = reference::apply_activation(cfg_.act(), cfg_.is_gated(), gate, up);
+        }
+        if (fp8) reference::fp8_group_roundtrip(act);
+        const double row_scale = (cfg_.apply_router_weight_on_input() ? 1.0 : wgt) * scaling;
+        double* dst = result.data() + (cfg_.no_combine() ? (t * k + j) : t) * h;
+        for (int r = 0; r < h; ++r) {
+          double acc = 0.0;
+          for (int i = 0; i < inter; ++i) acc += b(r, i) * act[i];
+          dst[r] += acc * row_scale;
+        }
+      }
+    }
+    for (std::size_t i = 0; i < result.size(); ++i) reference::store_from_double(out, static_cast<std::int64_t>(i), result[i]);
+  }
+
+  MoeRunnerConfig cfg_;
+};
+
+static_assert(explain_dispatch_runner_core<reference_policy>());
+static_assert(!std::is_polymorphic_v<reference_policy>);
+
+}  // namespace moerunner
