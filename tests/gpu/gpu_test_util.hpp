@@ -1,0 +1,134 @@
+// Shared helpers for the GPU tests: skip without a GPU, device buffers, random data.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "moerunner/core/host_float.hpp"
+#include "moerunner/core/tensor_view.hpp"
+#include "moerunner/gpu/cuda_check.hpp"
+
+namespace moerunner::test {
+
+// Meson reads exit code 77 as "skipped".
+inline constexpr int skip_exit_code = 77;
+
+inline bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// Owns device memory; freed on scope exit.
+class device_buffer {
+ public:
+  device_buffer() = default;
+  explicit device_buffer(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_) MOE_CUDA_CHECK(cudaMalloc(&ptr_, bytes_));
+  }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  device_buffer(device_buffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; o.bytes_ = 0; }
+  device_buffer& operator=(device_buffer&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~device_buffer() { if (ptr_) cudaFree(ptr_); }
+  void* get() const { return ptr_; }
+  std::size_t bytes() const { return bytes_; }
+
+  template <class T>
+  void upload(const std::vector<T>& h) {
+    if (!h.empty()) MOE_CUDA_CHECK(cudaMemcpy(ptr_, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  template <class T>
+  std::vector<T> download(std::size_t n) const {
+    std::vector<T> h(n);
+    if (n) MOE_CUDA_CHECK(cudaMemcpy(h.data(), ptr_, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+  // Fills with a byte pattern so that unwritten elements are visible (0xff.. is NaN in every float type).
+  void poison(unsigned char byte = 0xff) {
+    if (bytes_) MOE_CUDA_CHECK(cudaMemset(ptr_, byte, bytes_));
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// Host tensor with raw storage plus a view onto it.
+struct host_tensor {
+  std::vector<unsigned char> storage;
+  tensor_view view;
+  host_tensor() = default;
+  host_tensor(dtype t, std::initializer_list<std::int64_t> dims) {
+    view = tensor_view::contiguous(nullptr, t, dims, memory_space::host);
+    storage.resize(view.bytes() + 1);
+    view.data = storage.data();
+  }
+  std::int64_t numel() const { return view.numel(); }
+};
+
+// Device tensor mirroring a host one.
+struct device_tensor {
+  device_buffer buf;
+  tensor_view view;
+  device_tensor() = default;
+  explicit device_tensor(const host_tensor& h) : buf(h.view.bytes()) {
+    view = h.view;
+    view.data = buf.get();
+    view.space = memory_space::device;
+    if (h.view.bytes()) MOE_CUDA_CHECK(cudaMemcpy(buf.get(), h.view.data, h.view.bytes(), cudaMemcpyHostToDevice));
+  }
+  void to_host(host_tensor& h) const {
+    if (view.bytes()) MOE_CUDA_CHECK(cudaMemcpy(h.view.data, buf.get(), view.bytes(), cudaMemcpyDeviceToHost));
+  }
+};
+
+inline float element(const tensor_view& t, std::int64_t i) {
+  switch (t.type) {
+    case dtype::f32: return t.ptr<const float>()[i];
+    case dtype::bf16: return host_float::bf16_to_float(t.ptr<const std::uint16_t>()[i]);
+    case dtype::f16: return host_float::half_to_float(t.ptr<const std::uint16_t>()[i]);
+    case dtype::f8_e4m3: return host_float::e4m3_to_float(t.ptr<const std::uint8_t>()[i]);
+    case dtype::i32: return static_cast<float>(t.ptr<const std::int32_t>()[i]);
+  }
+  return 0.0f;
+}
+
+inline void set_element(const tensor_view& t, std::int64_t i, float v) {
+  switch (t.type) {
+    case dtype::f32: t.ptr<float>()[i] = v; break;
+    case dtype::bf16: t.ptr<std::uint16_t>()[i] = host_float::float_to_bf16(v); break;
+    case dtype::f16: t.ptr<std::uint16_t>()[i] = host_float::float_to_half(v); break;
+    case dtype::f8_e4m3: t.ptr<std::uint8_t>()[i] = host_float::float_to_e4m3(v); break;
+    case dtype::i32: t.ptr<std::int32_t>()[i] = static_cast<std::int32_t>(v); break;
+  }
+}
+
+// Uniform random values in [-scale, scale), rounded to the tensor's dtype; never all zeros.
+inline void fill_random(host_tensor& t, std::mt19937& rng, float scale = 1.0f) {
+  std::uniform_real_distribution<float> d(-scale, scale);
+  for (std::int64_t i = 0; i < t.numel(); ++i) set_element(t.view, i, d(rng));
+}
+
+// ||a - b|| / ||b|| over all elements; NaN anywhere in a (or a mismatch in NaN-ness) gives +inf.
+inline double rel_error(const tensor_view& a, const tensor_view& b) {
+  double num = 0.0, den = 0.0;
+  for (std::int64_t i = 0; i < b.numel(); ++i) {
+    const double x = element(a, i), y = element(b, i);
+    if (std::isnan(x) != std::isnan(y) || std::isinf(x)) return INFINITY;
+    if (std::isnan(y)) continue;
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+}  // namespace moerunner::test
