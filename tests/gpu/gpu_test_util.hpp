@@ -72,6 +72,16 @@ struct host_tensor {
     storage.resize(view.bytes() + 1);
     view.data = storage.data();
   }
+  // Copies rebind the view to their own storage.
+  host_tensor(const host_tensor& o) : storage(o.storage), view(o.view) { view.data = storage.data(); }
+  host_tensor& operator=(const host_tensor& o) {
+    storage = o.storage;
+    view = o.view;
+    view.data = storage.data();
+    return *this;
+  }
+  host_tensor(host_tensor&&) noexcept = default;
+  host_tensor& operator=(host_tensor&&) noexcept = default;
   std::int64_t numel() const { return view.numel(); }
 };
 
