@@ -1,0 +1,35 @@
+// The gated activations in f32 on the device, shared by the activation kernel and
+// the GEMM epilogues so that every backend computes the same function.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/kernels/activation_math.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include "moerunner/core/config.hpp"
+
+namespace moerunner::kernels {
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// Exact (erf) GELU, as the reference defines it.
+__device__ __forceinline__ float gelu(float g) { return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)); }
+
+// Comparisons written as std::min/std::clamp do, so a NaN input stays NaN (fminf would drop it).
+__device__ __forceinline__ float swiglu_clamped(float gate, float up, float alpha, float limit) {
+  const float g = limit < gate ? limit : gate;
+  const float u = up < -limit ? -limit : (limit < up ? limit : up);
+  return (u + 1.0f) * g / (1.0f + expf(-alpha * g));
+}
+
+// gate/up -> one intermediate value; `up` is unused when !gated.
+__device__ __forceinline__ float apply_activation(const activation& a, bool gated, float gate, float up) {
+  switch (a.kind) {
+    case activation_kind::silu: return gated ? silu(gate) * up : silu(gate);
+    case activation_kind::gelu: return gated ? gelu(gate) * up : gelu(gate);
+    case activation_kind::swiglu_clamped: return swiglu_clamped(gate, up, a.alpha, a.limit);
+  }
+  return 0.0f;
+}
+
+}  // namespace moerunner::kernels
