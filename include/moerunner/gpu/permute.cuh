@@ -1,0 +1,106 @@
+// Host launch for the routing plan: carves it from the caller's workspace and builds it on
+// the device (kernel_permute.cuh). No allocation, no host synchronization: capturable.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/gpu/permute.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "moerunner/core/config.hpp"
+#include "moerunner/core/tensor_view.hpp"
+#include "moerunner/gpu/cuda_check.hpp"
+#include "moerunner/gpu/routing_plan.hpp"
+#include "moerunner/kernels/kernel_permute.cuh"
+
+namespace moerunner::gpu {
+
+// Builds the plan for topk_ids [M, k] (i32, device) over num_experts local experts in
+// `workspace` (256-byte aligned, at least routing_plan_bytes(M, k, num_experts) bytes).
+// Ids outside [-1, num_experts) count as -1 and set *plan.error_flag, which the build zeroes
+// first; read it with read_plan_error or copy it in a later stream operation. One launch up to
+// plan_single_tile_slots slots, three above. M = 0 still writes offsets (all zero) and the flag.
+inline routing_plan build_routing_plan(const tensor_view& topk_ids, int num_experts, void* workspace,
+                                       std::size_t workspace_bytes, cudaStream_t stream) {
+  constexpr const char* where = "gpu::build_routing_plan";
+  check::dense(topk_ids, 2, dtype::i32, memory_space::device, where, "topk_ids");
+  const std::int64_t m = topk_ids.shape[0];
+  const std::int64_t k = topk_ids.shape[1];
+  MOE_EXPECT(k >= 1 && k <= max_top_k, where,
+             "topk_ids dimension 1 (top_k) must be in [1, " + std::to_string(max_top_k) + "], got shape " +
+                 topk_ids.shape_string());
+  MOE_EXPECT(num_experts >= 1 && num_experts <= plan_max_experts, where,
+             "num_experts must be in [1, " + std::to_string(plan_max_experts) + "], got " +
+                 std::to_string(num_experts));
+  const std::int64_t slots = m * k;
+  MOE_EXPECT(slots <= 0x7fffffff - plan_tile_slots, where,
+             "num_tokens * top_k must fit in 31 bits (rows are int32), got " + std::to_string(slots));
+  const std::size_t need = routing_plan_bytes(m, static_cast<int>(k), num_experts);
+  MOE_EXPECT(workspace != nullptr, where, "workspace is null");
+  MOE_EXPECT(reinterpret_cast<std::uintptr_t>(workspace) % plan_piece_alignment == 0, where,
+             "workspace must be " + std::to_string(plan_piece_alignment) + "-byte aligned");
+  MOE_EXPECT(workspace_bytes >= need, where,
+             "workspace holds " + std::to_string(workspace_bytes) + " bytes, the plan needs " + std::to_string(need));
+
+  auto* cursor = static_cast<char*>(workspace);
+  auto take = [&cursor](std::size_t count) {
+    auto* piece = reinterpret_cast<std::int32_t*>(cursor);
+    cursor += plan_piece_bytes(count * sizeof(std::int32_t));
+    return piece;
+  };
+  const auto e = static_cast<std::size_t>(num_experts);
+  const auto n = static_cast<std::size_t>(slots);
+  routing_plan plan;
+  plan.expert_offsets = take(e + 1);
+  plan.row_to_slot = take(n);
+  plan.slot_to_row = take(n);
+  plan.error_flag = take(1);
+  plan.num_experts = num_experts;
+  plan.top_k = static_cast<int>(k);
+  plan.num_tokens = m;
+
+  kernels::plan_args a;
+  a.ids = topk_ids.ptr<const std::int32_t>();
+  a.num_slots = slots;
+  a.num_experts = num_experts;
+  a.offsets = plan.expert_offsets;
+  a.row_to_slot = plan.row_to_slot;
+  a.slot_to_row = plan.slot_to_row;
+  a.error_flag = plan.error_flag;
+  constexpr unsigned threads = kernels::plan_threads;
+  if (slots <= plan_single_tile_slots) {
+    if (slots <= threads) kernels::build_plan_single_tile_kernel<1><<<1, threads, 0, stream>>>(a);
+    else if (slots <= 4 * threads) kernels::build_plan_single_tile_kernel<4><<<1, threads, 0, stream>>>(a);
+    else kernels::build_plan_single_tile_kernel<16><<<1, threads, 0, stream>>>(a);
+    MOE_CUDA_CHECK_LAUNCH("gpu::build_routing_plan");
+    return plan;
+  }
+  const std::int64_t tiles = (slots + plan_tile_slots - 1) / plan_tile_slots;
+  a.num_tiles = static_cast<int>(tiles);
+  a.tile_counts = take(static_cast<std::size_t>(tiles) * e);
+  a.tile_errors = take(static_cast<std::size_t>(tiles));
+  kernels::plan_count_kernel<<<static_cast<unsigned>(tiles), threads, 0, stream>>>(a);
+  MOE_CUDA_CHECK_LAUNCH("gpu::build_routing_plan (count)");
+  kernels::plan_scan_kernel<<<1, kernels::plan_scan_threads, 0, stream>>>(a);
+  MOE_CUDA_CHECK_LAUNCH("gpu::build_routing_plan (scan)");
+  kernels::plan_scatter_kernel<<<static_cast<unsigned>(tiles), threads, 0, stream>>>(a);
+  MOE_CUDA_CHECK_LAUNCH("gpu::build_routing_plan (scatter)");
+  return plan;
+}
+
+// Copies the plan's bad-id flag to the host. SYNCHRONIZES `stream` (so it cannot be captured
+// in a graph): meant for tests and for callers that validate ids outside a captured run.
+inline int read_plan_error(const routing_plan& plan, cudaStream_t stream) {
+  MOE_EXPECT(plan.error_flag != nullptr, "gpu::read_plan_error", "the plan has no error flag (not built)");
+  std::int32_t flag = 0;
+  MOE_CUDA_CHECK(cudaMemcpyAsync(&flag, plan.error_flag, sizeof flag, cudaMemcpyDeviceToHost, stream));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return flag;
+}
+
+}  // namespace moerunner::gpu

@@ -1,0 +1,67 @@
+// Device code that sums each token's expert rows back into its output row, in slot order.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/kernels/kernel_combine.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <cstdint>
+
+#include "moerunner/kernels/vector_io.cuh"
+
+namespace moerunner::kernels {
+
+// out[t] = scale * sum_{j = 0..k-1} w[t, j] * rows[slot_to_row[t * k + j]] (w = 1 without
+// weights), skipping filtered slots, accumulated in f32 in slot order and rounded once: the
+// same bits on every run. With no_combine, out[t, j] = scale * w[t, j] * row, or 0 when filtered.
+template <class TIn, class TOut, int VEC>
+__global__ void combine_rows_kernel(const TIn* __restrict__ rows, TOut* __restrict__ out, std::int64_t hidden,
+                                    std::int64_t chunks_per_row, std::int64_t num_blocks, int top_k,
+                                    const std::int32_t* __restrict__ slot_to_row,
+                                    const float* __restrict__ weights, float scale, bool no_combine) {
+  for (std::int64_t b = blockIdx.x; b < num_blocks; b += gridDim.x) {
+    const std::int64_t token = b / chunks_per_row;
+    const std::int64_t c = ((b % chunks_per_row) * blockDim.x + threadIdx.x) * VEC;
+    if (c >= hidden) continue;
+    const std::int64_t first_slot = token * top_k;
+    if (!no_combine) {
+      float acc[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+      for (int j = 0; j < top_k; ++j) {
+        const std::int64_t row = slot_to_row[first_slot + j];
+        if (row < 0) continue;
+        float v[VEC];
+        load_f32<VEC>(rows + row * hidden + c, v);
+        if (weights != nullptr) {
+          const float w = weights[first_slot + j];
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[i] = fmaf(w, v[i], acc[i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] *= scale;
+      store_f32<VEC>(out + token * hidden + c, acc);
+    } else {
+      for (int j = 0; j < top_k; ++j) {
+        const std::int64_t row = slot_to_row[first_slot + j];
+        float v[VEC];
+        if (row < 0) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) v[i] = 0.0f;
+        } else {
+          load_f32<VEC>(rows + row * hidden + c, v);
+          const float w = weights != nullptr ? weights[first_slot + j] : 1.0f;
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) v[i] = scale * (w * v[i]);
+        }
+        store_f32<VEC>(out + (first_slot + j) * hidden + c, v);
+      }
+    }
+  }
+}
+
+}  // namespace moerunner::kernels

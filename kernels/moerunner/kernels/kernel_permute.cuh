@@ -1,0 +1,246 @@
+// Device code that builds a routing_plan (gpu/routing_plan.hpp) from topk_ids: per-expert
+// counts and offsets, rows sorted by (expert, slot), and the inverse map.
+//
+// Ranking: each warp owns a contiguous run of slots and walks it 32 slots at a time;
+// __match_any_sync groups the lanes that hold the same expert, so one leader per expert
+// bumps the warp's running count in shared memory. That gives every slot its stable rank
+// among earlier slots of its expert in one pass, where a block radix sort on 10-bit keys
+// would take three. The per-expert prefix over warps and tiles, and the offsets, are CUB
+// scans; the result does not depend on scheduling, so the plan is deterministic.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/kernels/kernel_permute.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <cstdint>
+
+#include <cub/block/block_scan.cuh>
+#include <cub/warp/warp_scan.cuh>
+
+#include "moerunner/gpu/routing_plan.hpp"
+
+namespace moerunner::kernels {
+
+inline constexpr int plan_threads = 256;
+inline constexpr int plan_warps = plan_threads / 32;
+inline constexpr int plan_experts_per_thread = gpu::plan_max_experts / plan_threads;
+inline constexpr int plan_tile_items = static_cast<int>(gpu::plan_tile_slots / plan_threads);
+inline constexpr int plan_scan_threads = 1024;
+static_assert(gpu::plan_max_experts % plan_threads == 0, "experts must split evenly over the block scan");
+static_assert(plan_tile_items * plan_threads == gpu::plan_tile_slots, "a tile is a whole number of slots per thread");
+static_assert(gpu::plan_single_tile_slots == 16 * plan_threads, "the single-tile kernel's largest variant has 16 items");
+static_assert(gpu::plan_max_experts <= plan_scan_threads, "the offsets scan gives each expert one thread");
+
+struct plan_args {
+  const std::int32_t* ids = nullptr;  // [num_slots]
+  std::int64_t num_slots = 0;
+  int num_experts = 0;
+  int num_tiles = 0;                     // tiled path only
+  std::int32_t* offsets = nullptr;       // [E + 1]
+  std::int32_t* row_to_slot = nullptr;   // [num_slots]
+  std::int32_t* slot_to_row = nullptr;   // [num_slots]
+  std::int32_t* error_flag = nullptr;    // [1]
+  std::int32_t* tile_counts = nullptr;   // [E, num_tiles]: counts, then exclusive prefixes over tiles
+  std::int32_t* tile_errors = nullptr;   // [num_tiles]
+};
+
+namespace permute_detail {
+
+inline constexpr unsigned full_mask = 0xffffffffu;
+
+// The slot's expert, or -1 for a filtered slot, a slot past the end, or a bad id (reported).
+__device__ __forceinline__ int load_key(const plan_args& a, std::int64_t slot, bool& bad) {
+  if (slot >= a.num_slots) return -1;
+  const int id = a.ids[slot];
+  if (id >= 0 && id < a.num_experts) return id;
+  bad |= id != -1;
+  return -1;
+}
+
+// Warp w of the block owns slots [first, first + ITEMS * 32) with first = tile_begin + w * ITEMS * 32,
+// lane l item c being slot first + c * 32 + l. On return rank[c] is the slot's rank among the
+// warp's earlier slots of the same expert and warp_count[w * E + e] the warp's count of expert e
+// (warp_count must start at zero).
+template <int ITEMS>
+__device__ __forceinline__ bool rank_warp_slots(const plan_args& a, std::int64_t tile_begin, int* warp_count,
+                                                int (&key)[ITEMS], int (&rank)[ITEMS]) {
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const std::int64_t first = tile_begin + static_cast<std::int64_t>(warp) * ITEMS * 32;
+  bool bad = false;
+#pragma unroll
+  for (int c = 0; c < ITEMS; ++c) key[c] = load_key(a, first + c * 32 + lane, bad);
+  int* counts = warp_count + warp * a.num_experts;
+  const unsigned lower_lanes = (1u << lane) - 1u;
+#pragma unroll
+  for (int c = 0; c < ITEMS; ++c) {
+    const unsigned peers = __match_any_sync(full_mask, key[c]);
+    const int leader = __ffs(peers) - 1;
+    int base = 0;
+    if (key[c] >= 0 && lane == leader) {
+      base = counts[key[c]];
+      counts[key[c]] = base + __popc(peers);
+    }
+    base = __shfl_sync(full_mask, base, leader);
+    __syncwarp();  // the next chunk's leader for this expert may be another lane
+    rank[c] = base + __popc(peers & lower_lanes);
+  }
+  return bad;
+}
+
+// Turns warp_count[w * E + e] into base_e + (count of expert e in warps before w); returns the tile's count.
+__device__ __forceinline__ int prefix_over_warps(int* warp_count, int num_experts, int e, int base) {
+  int run = base;
+#pragma unroll
+  for (int w = 0; w < plan_warps; ++w) {
+    const int c = warp_count[w * num_experts + e];
+    warp_count[w * num_experts + e] = run;
+    run += c;
+  }
+  return run - base;
+}
+
+// Writes both maps for the slots ranked by rank_warp_slots, given each warp's first row per
+// expert in row_base; rows past `valid` in the same index range get -1, so every entry is defined.
+template <int ITEMS>
+__device__ __forceinline__ void scatter_slots(const plan_args& a, std::int64_t tile_begin, const int* row_base,
+                                              const int (&key)[ITEMS], const int (&rank)[ITEMS], int valid) {
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const std::int64_t first = tile_begin + static_cast<std::int64_t>(warp) * ITEMS * 32;
+#pragma unroll
+  for (int c = 0; c < ITEMS; ++c) {
+    const std::int64_t slot = first + c * 32 + lane;
+    if (slot >= a.num_slots) continue;
+    int row = -1;
+    if (key[c] >= 0) {
+      row = row_base[warp * a.num_experts + key[c]] + rank[c];
+      a.row_to_slot[row] = static_cast<std::int32_t>(slot);
+    }
+    a.slot_to_row[slot] = row;
+    if (slot >= valid) a.row_to_slot[slot] = -1;  // index `slot` read as a row past the valid ones
+  }
+}
+
+}  // namespace permute_detail
+
+// The whole plan in one block, for num_slots <= ITEMS * plan_threads (decode-sized batches).
+template <int ITEMS>
+__global__ void __launch_bounds__(plan_threads) build_plan_single_tile_kernel(plan_args a) {
+  using block_scan = cub::BlockScan<int, plan_threads>;
+  __shared__ int s_warp_count[plan_warps * gpu::plan_max_experts];
+  __shared__ typename block_scan::TempStorage s_scan;
+  const int tid = static_cast<int>(threadIdx.x), E = a.num_experts;
+
+  for (int i = tid; i < plan_warps * E; i += plan_threads) s_warp_count[i] = 0;
+  __syncthreads();
+  int key[ITEMS], rank[ITEMS];
+  const bool bad = permute_detail::rank_warp_slots<ITEMS>(a, 0, s_warp_count, key, rank);
+  __syncthreads();
+
+  // Thread t owns experts t * EPT .. t * EPT + EPT - 1 (the blocked order of the scan).
+  constexpr int EPT = plan_experts_per_thread;
+  int count[EPT], offset[EPT];
+#pragma unroll
+  for (int q = 0; q < EPT; ++q) {
+    const int e = tid * EPT + q;
+    count[q] = e < E ? permute_detail::prefix_over_warps(s_warp_count, E, e, 0) : 0;
+  }
+  int valid = 0;
+  block_scan(s_scan).ExclusiveSum(count, offset, valid);
+#pragma unroll
+  for (int q = 0; q < EPT; ++q) {
+    const int e = tid * EPT + q;
+    if (e >= E) continue;
+    a.offsets[e] = offset[q];
+#pragma unroll
+    for (int w = 0; w < plan_warps; ++w) s_warp_count[w * E + e] += offset[q];
+  }
+  if (tid == 0) a.offsets[E] = valid;
+  __syncthreads();
+
+  permute_detail::scatter_slots<ITEMS>(a, 0, s_warp_count, key, rank, valid);
+  const int any_bad = __syncthreads_or(bad);
+  if (tid == 0) *a.error_flag = any_bad;
+}
+
+// Tiled path, step 1 of 3: each tile's per-expert counts and bad-id flag.
+__global__ void __launch_bounds__(plan_threads) plan_count_kernel(plan_args a) {
+  __shared__ int s_count[gpu::plan_max_experts];
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, E = a.num_experts;
+  for (int e = tid; e < E; e += plan_threads) s_count[e] = 0;
+  __syncthreads();
+  const std::int64_t tile_begin = static_cast<std::int64_t>(blockIdx.x) * gpu::plan_tile_slots;
+  bool bad = false;
+#pragma unroll
+  for (int c = 0; c < plan_tile_items; ++c) {
+    const int key = permute_detail::load_key(a, tile_begin + c * plan_threads + tid, bad);
+    // One shared atomic per expert per warp, so a tile routed to a single expert does not serialize.
+    const unsigned peers = __match_any_sync(permute_detail::full_mask, key);
+    if (key >= 0 && lane == __ffs(peers) - 1) atomicAdd(&s_count[key], __popc(peers));
+  }
+  const int any_bad = __syncthreads_or(bad);
+  for (int e = tid; e < E; e += plan_threads)
+    a.tile_counts[static_cast<std::int64_t>(e) * a.num_tiles + blockIdx.x] = s_count[e];
+  if (tid == 0) a.tile_errors[blockIdx.x] = any_bad;
+}
+
+// Tiled path, step 2 of 3 (one block): per expert, the exclusive prefix of its counts over
+// tiles (one warp per expert); then the expert offsets and the error flag.
+__global__ void __launch_bounds__(plan_scan_threads, 1) plan_scan_kernel(plan_args a) {
+  using warp_scan = cub::WarpScan<int>;
+  using block_scan = cub::BlockScan<int, plan_scan_threads>;
+  constexpr int warps = plan_scan_threads / 32;
+  __shared__ typename warp_scan::TempStorage s_warp[warps];
+  __shared__ typename block_scan::TempStorage s_block;
+  __shared__ int s_total[plan_scan_threads];
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int E = a.num_experts, T = a.num_tiles;
+
+  for (int e = warp; e < E; e += warps) {
+    std::int32_t* counts = a.tile_counts + static_cast<std::int64_t>(e) * T;
+    int carry = 0;
+    for (int t0 = 0; t0 < T; t0 += 32) {
+      const int t = t0 + lane;
+      const int c = t < T ? counts[t] : 0;
+      int before = 0, chunk_total = 0;
+      warp_scan(s_warp[warp]).ExclusiveSum(c, before, chunk_total);
+      __syncwarp();
+      if (t < T) counts[t] = carry + before;
+      carry += chunk_total;
+    }
+    if (lane == 0) s_total[e] = carry;
+  }
+  if (tid >= E) s_total[tid] = 0;
+  bool bad = false;
+  for (int t = tid; t < T; t += plan_scan_threads) bad |= a.tile_errors[t] != 0;
+  const int any_bad = __syncthreads_or(bad);
+
+  int offset = 0, valid = 0;
+  block_scan(s_block).ExclusiveSum(s_total[tid], offset, valid);
+  if (tid < E) a.offsets[tid] = offset;
+  if (tid == 0) {
+    a.offsets[E] = valid;
+    *a.error_flag = any_bad;
+  }
+}
+
+// Tiled path, step 3 of 3: ranks each tile's slots again and writes both maps.
+__global__ void __launch_bounds__(plan_threads) plan_scatter_kernel(plan_args a) {
+  __shared__ int s_warp_count[plan_warps * gpu::plan_max_experts];
+  const int tid = static_cast<int>(threadIdx.x), E = a.num_experts;
+  for (int i = tid; i < plan_warps * E; i += plan_threads) s_warp_count[i] = 0;
+  __syncthreads();
+  const std::int64_t tile_begin = static_cast<std::int64_t>(blockIdx.x) * gpu::plan_tile_slots;
+  int key[plan_tile_items], rank[plan_tile_items];
+  permute_detail::rank_warp_slots<plan_tile_items>(a, tile_begin, s_warp_count, key, rank);
+  __syncthreads();
+  for (int e = tid; e < E; e += plan_threads) {
+    const int base = a.offsets[e] + a.tile_counts[static_cast<std::int64_t>(e) * a.num_tiles + blockIdx.x];
+    permute_detail::prefix_over_warps(s_warp_count, E, e, base);
+  }
+  const int valid = a.offsets[E];
+  __syncthreads();
+  permute_detail::scatter_slots<plan_tile_items>(a, tile_begin, s_warp_count, key, rank, valid);
+}
+
+}  // namespace moerunner::kernels

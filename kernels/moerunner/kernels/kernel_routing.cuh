@@ -1,0 +1,233 @@
+// Device code for top-k routing: one warp per token, lane l holding experts l, l+32, ...
+//
+// The arithmetic follows routing/topk_rules.hpp step for step (portable exp and sigmoid,
+// the warp-order softmax sum, ranks_before for every comparison), so ids and weights are
+// bit-identical to reference::route_token.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/kernels/kernel_routing.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <cstdint>
+
+#include "moerunner/core/config.hpp"
+#include "moerunner/core/portable_math.hpp"
+#include "moerunner/kernels/vector_io.cuh"
+#include "moerunner/routing/topk_rules.hpp"
+
+namespace moerunner::kernels {
+
+inline constexpr int topk_warps_per_block = 4;
+
+struct topk_params {
+  const void* logits = nullptr;  // [M, E] of the kernel's element type
+  const float* bias = nullptr;   // [E] or nullptr
+  float* weights = nullptr;      // [M, k]
+  std::int32_t* ids = nullptr;   // [M, k]
+  std::int64_t num_tokens = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  int num_groups = 0;  // 0 when grouping cannot drop any expert
+  int topk_group = 0;
+  float routed_scaling = 1.0f;
+  scoring_func scoring = scoring_func::softmax;
+  bool renormalize = false;
+  bool apply_scaling = false;
+};
+
+namespace routing_detail {
+
+inline constexpr unsigned full_mask = 0xffffffffu;
+
+// (va, ia) beats (vb, ib); index -1 means "no candidate" and loses to any candidate.
+__device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
+  return ia >= 0 && (ib < 0 || routing::ranks_before(va, ia, vb, ib));
+}
+
+// The best still-available expert among this lane's own.
+template <int EPL>
+__device__ __forceinline__ void lane_best(const float (&key)[EPL], unsigned avail, int lane, float& bv, int& bi) {
+  bv = 0.0f;
+  bi = -1;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + routing::warp_lanes * i;
+    if (((avail >> i) & 1u) && beats(key[i], e, bv, bi)) {
+      bv = key[i];
+      bi = e;
+    }
+  }
+}
+
+// Bits (one per register slot) of this lane's experts that lie in the topk_group best groups.
+// A group is ranked by its best key, or with a bias by the sum of its best two keys. Each
+// group is scanned by `sub` lanes through shared memory (experts of a group are spread over
+// lanes in registers), their top-2 pairs merged by a butterfly.
+template <int EPL>
+__device__ __forceinline__ unsigned kept_group_experts(const float (&key)[EPL], unsigned avail, const topk_params& p,
+                                                       float* s_key, int lane) {
+  const int E = p.num_experts, G = p.num_groups, per = E / G;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i)
+    if ((avail >> i) & 1u) s_key[lane + routing::warp_lanes * i] = key[i];
+  __syncwarp();
+
+  int sub = 1;
+  while (sub * 2 * G <= routing::warp_lanes) sub *= 2;
+  const int g = lane / sub, part = lane % sub;
+  float v1 = 0.0f, v2 = 0.0f;
+  int b1 = -1, b2 = -1;
+  if (g < G) {
+    for (int e = g * per + part; e < (g + 1) * per; e += sub) {
+      const float v = s_key[e];
+      if (beats(v, e, v1, b1)) {
+        v2 = v1;
+        b2 = b1;
+        v1 = v;
+        b1 = e;
+      } else if (beats(v, e, v2, b2)) {
+        v2 = v;
+        b2 = e;
+      }
+    }
+  }
+  for (int off = sub / 2; off > 0; off /= 2) {  // lanes l and l^off (off < sub) share a group
+    const float o1 = __shfl_xor_sync(full_mask, v1, off), o2 = __shfl_xor_sync(full_mask, v2, off);
+    const int j1 = __shfl_xor_sync(full_mask, b1, off), j2 = __shfl_xor_sync(full_mask, b2, off);
+    if (beats(o1, j1, v1, b1)) {
+      if (!beats(v1, b1, o2, j2)) {
+        v1 = o2;
+        b1 = j2;
+      }
+      v2 = v1;
+      b2 = b1;
+      v1 = o1;
+      b1 = j1;
+    } else if (beats(o1, j1, v2, b2)) {
+      v2 = o1;
+      b2 = j1;
+    }
+  }
+  const float gscore = (p.bias != nullptr && per >= 2) ? portable::add_rn(v1, v2) : v1;
+
+  // Keep group g when fewer than topk_group groups rank before it.
+  int rank = 0;
+  for (int h = 0; h < G; ++h) {
+    const float other = __shfl_sync(full_mask, gscore, h * sub);
+    if (h != g && routing::ranks_before(other, h, gscore, g)) ++rank;
+  }
+  const unsigned kept_lanes = __ballot_sync(full_mask, g < G && part == 0 && rank < p.topk_group);
+  __syncwarp();  // s_key is rewritten for the next token
+
+  unsigned kept = 0;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + routing::warp_lanes * i;
+    if (((avail >> i) & 1u) && ((kept_lanes >> ((e / per) * sub)) & 1u)) kept |= 1u << i;
+  }
+  return kept;
+}
+
+}  // namespace routing_detail
+
+// EPL = experts per lane (a power of two, 32 * EPL >= E). Tokens are spread one per warp.
+template <class T, int EPL>
+__global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) topk_kernel(topk_params p) {
+  static_assert(EPL >= 1 && EPL * routing::warp_lanes <= routing::max_routing_experts);
+  constexpr int lanes = routing::warp_lanes;
+  constexpr unsigned full = routing_detail::full_mask;
+  __shared__ float s_key[topk_warps_per_block][EPL * lanes];
+  __shared__ float s_score[topk_warps_per_block][EPL * lanes];
+  const int lane = static_cast<int>(threadIdx.x) % lanes, warp = static_cast<int>(threadIdx.x) / lanes;
+  const int E = p.num_experts, k = p.top_k;
+  const T* logits = static_cast<const T*>(p.logits);
+
+  // The loop bound is the same on every lane of a warp, so the shuffles below never diverge.
+  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * topk_warps_per_block + warp; t < p.num_tokens;
+       t += static_cast<std::int64_t>(gridDim.x) * topk_warps_per_block) {
+    const T* row = logits + t * E;
+    float score[EPL], key[EPL];
+    unsigned avail = 0;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int e = lane + lanes * i;
+      score[i] = 0.0f;
+      if (e < E) {
+        score[i] = routing::score(to_f32(row[e]), p.scoring);
+        avail |= 1u << i;
+      }
+    }
+
+    if (p.scoring == scoring_func::softmax) {
+      float mx = -INFINITY;  // fmaxf skips NaN, as the reference's max does
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if ((avail >> i) & 1u) mx = fmaxf(mx, score[i]);
+      for (int off = lanes / 2; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(full, mx, off));
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if ((avail >> i) & 1u) {
+          score[i] = portable::exp(portable::add_rn(score[i], -mx));
+          sum = portable::add_rn(sum, score[i]);
+        }
+      for (int off = lanes / 2; off > 0; off /= 2) sum = portable::add_rn(sum, __shfl_xor_sync(full, sum, off));
+      sum = __shfl_sync(full, sum, 0);
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if ((avail >> i) & 1u) score[i] = portable::div_rn(score[i], sum);
+    }
+
+#pragma unroll
+    for (int i = 0; i < EPL; ++i)
+      key[i] = (p.bias != nullptr && ((avail >> i) & 1u)) ? portable::add_rn(score[i], p.bias[lane + lanes * i])
+                                                          : score[i];
+    // The winners' unbiased scores are read back from shared memory by every lane.
+#pragma unroll
+    for (int i = 0; i < EPL; ++i)
+      if ((avail >> i) & 1u) s_score[warp][lane + lanes * i] = score[i];
+    __syncwarp();
+    if (p.num_groups > 0) avail &= routing_detail::kept_group_experts<EPL>(key, avail, p, s_key[warp], lane);
+
+    // k rounds of a warp argmax; only the winner's lane rescans its experts.
+    float bv;
+    int bi;
+    routing_detail::lane_best<EPL>(key, avail, lane, bv, bi);
+    float sum = 0.0f, my_weight = 0.0f;
+    int my_id = -1;
+    for (int j = 0; j < k; ++j) {
+      float wv = bv;
+      int wi = bi;
+      for (int off = lanes / 2; off > 0; off /= 2) {
+        const float ov = __shfl_xor_sync(full, wv, off);
+        const int oi = __shfl_xor_sync(full, wi, off);
+        if (routing_detail::beats(ov, oi, wv, wi)) {
+          wv = ov;
+          wi = oi;
+        }
+      }
+      // Every lane now holds the same winner; validation guarantees there is one (wi >= 0).
+      const float w = wi >= 0 ? s_score[warp][wi] : 0.0f;
+      if (wi >= 0 && lane == wi % lanes) {
+        avail &= ~(1u << (wi / lanes));
+        routing_detail::lane_best<EPL>(key, avail, lane, bv, bi);
+      }
+      sum = portable::add_rn(sum, w);  // selection order, as the reference renormalizes
+      if (lane == j) {
+        my_weight = w;
+        my_id = wi;
+      }
+    }
+    if (lane < k) {
+      float w = my_weight;
+      if (p.renormalize) w = portable::div_rn(w, sum);
+      if (p.apply_scaling) w = portable::mul_rn(w, p.routed_scaling);
+      p.weights[t * k + lane] = w;
+      p.ids[t * k + lane] = my_id;
+    }
+    __syncwarp();  // s_score is rewritten for the next token
+  }
+}
+
+}  // namespace moerunner::kernels

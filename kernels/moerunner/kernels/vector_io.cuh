@@ -1,0 +1,57 @@
+// Loads and stores of VEC consecutive elements as f32, in one 16-byte access (two for f32
+// stores of 8) when VEC == 8, element by element otherwise. Callers guarantee the alignment.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/kernels/vector_io.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace moerunner::kernels {
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <class T>
+__device__ __forceinline__ T from_f32(float v) {
+  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
+  else return v;
+}
+
+template <int VEC, class T>
+__device__ __forceinline__ void load_f32(const T* p, float (&v)[VEC]) {
+  if constexpr (VEC == 8 && sizeof(T) == 2) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = to_f32(p[i]);
+  }
+}
+
+template <int VEC, class T>
+__device__ __forceinline__ void store_f32(T* p, const float (&v)[VEC]) {
+  if constexpr (VEC == 8 && sizeof(T) == 2) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) e[i] = from_f32<T>(v[i]);
+    *reinterpret_cast<uint4*>(p) = raw;
+  } else if constexpr (VEC == 8 && std::is_same_v<T, float>) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) p[i] = from_f32<T>(v[i]);
+  }
+}
+
+}  // namespace moerunner::kernels
