@@ -41,8 +41,7 @@ class MoeRunner {
   // Resolves `backend` (built-in or registered) and builds that policy's core.
   MoeRunner(std::string_view backend, const MoeRunnerConfig& config,
             backend_registry& registry = backend_registry::global())
-      : config_(config), id_(registry.resolve(backend)), index_(pick_index(registry)) {
-    registry.note_resolved(id_);
+      : config_(config), id_(resolve_and_freeze(registry, backend)), index_(pick_index(registry)) {
     emplace_core(std::make_index_sequence<num_policies>{});
   }
 
@@ -129,6 +128,14 @@ class MoeRunner {
   template <std::size_t... I>
   void emplace_core(std::index_sequence<I...>) {
     ((index_ == I ? (core_.template emplace<I + 1>(config_), void()) : void()), ...);
+  }
+
+  // Freezes a built-in before its policy is picked, so that a replacement registered
+  // concurrently is either seen by pick_index or refused, never silently mixed.
+  static backend_id resolve_and_freeze(backend_registry& registry, std::string_view backend) {
+    const backend_id id = registry.resolve(backend);
+    registry.note_resolved(id);
+    return id;
   }
 
   // Which list entry implements id_: a registered policy by its type, else the
