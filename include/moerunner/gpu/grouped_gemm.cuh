@@ -1,0 +1,147 @@
+// Host launch code of the fused backend's grouped GEMMs: sizes the M-tile schedule,
+// picks a tuning for the device, and launches persistent grids whose size never depends
+// on per-expert token counts (those exist only on the device), so a run needs no host
+// round trip and can be captured in a CUDA graph.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/gpu/grouped_gemm.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "moerunner/core/error.hpp"
+#include "moerunner/gpu/cuda_check.hpp"
+#include "moerunner/gpu/grouped_gemm_tuning.hpp"
+#include "moerunner/gpu/routing_plan.hpp"
+#include "moerunner/kernels/kernel_grouped_gemm.cuh"
+
+namespace moerunner::gpu {
+
+// ---------------------------------------------------------------------------------------------
+// M-tile schedule
+
+// The most M tiles any routing of `rows` rows over `num_experts` experts can need:
+// sum_e ceil(n_e / bm) <= ceil(rows / bm) + num_experts.
+inline std::int64_t moe_m_tile_capacity(std::int64_t rows, int num_experts, int block_m) {
+  return (rows + block_m - 1) / block_m + num_experts;
+}
+
+inline std::size_t tile_schedule_bytes(std::int64_t rows, int num_experts, int block_m) {
+  // The tile count, then the tiles, each in its own 256-byte piece.
+  return plan_piece_bytes(sizeof(std::int32_t)) +
+         plan_piece_bytes(static_cast<std::size_t>(moe_m_tile_capacity(rows, num_experts, block_m)) *
+                          sizeof(moe_m_tile));
+}
+
+struct tile_schedule {
+  const moe_m_tile* tiles = nullptr;
+  const std::int32_t* count = nullptr;  // device: tiles actually used
+  std::int64_t capacity = 0;            // host: the bound the grids are sized for
+  int block_m = 0;
+};
+
+// Turns the plan's device-side expert offsets into the M-tile list, on the device.
+// `workspace` must be 256-byte aligned and hold tile_schedule_bytes(rows, E, block_m).
+inline tile_schedule build_tile_schedule(const routing_plan& plan, std::int64_t rows, int block_m, void* workspace,
+                                         std::size_t bytes, cudaStream_t stream) {
+  constexpr const char* where = "gpu::build_tile_schedule";
+  MOE_EXPECT(plan.num_experts >= 1 && plan.num_experts <= kernels::schedule_max_experts, where,
+             "the plan must have between 1 and " + std::to_string(kernels::schedule_max_experts) +
+                 " experts, got " + std::to_string(plan.num_experts));
+  MOE_EXPECT(block_m > 0, where, "block_m must be positive");
+  MOE_EXPECT(bytes >= tile_schedule_bytes(rows, plan.num_experts, block_m), where, "workspace too small");
+  const std::int64_t capacity = moe_m_tile_capacity(rows, plan.num_experts, block_m);
+  MOE_EXPECT(capacity <= 0x7fffffff, where, "too many M tiles for one launch");
+  auto* base = static_cast<char*>(workspace);
+  auto* count = reinterpret_cast<std::int32_t*>(base);
+  auto* tiles = reinterpret_cast<moe_m_tile*>(base + plan_piece_bytes(sizeof(std::int32_t)));
+  kernels::moe_tile_schedule_kernel<<<1, kernels::schedule_threads, 0, stream>>>(
+      plan.expert_offsets, plan.num_experts, block_m, tiles, count, static_cast<int>(capacity));
+  MOE_CUDA_CHECK_LAUNCH("moe_tile_schedule_kernel");
+  return {tiles, count, capacity, block_m};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device facts the launch needs (no stream work, so legal while a stream is being captured)
+
+struct device_facts {
+  int device = 0;
+  int cc_major = 0;
+  int cc_minor = 0;
+  int sm_count = 0;
+};
+
+inline device_facts current_device_facts() {
+  device_facts f;
+  MOE_CUDA_CHECK(cudaGetDevice(&f.device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&f.cc_major, cudaDevAttrComputeCapabilityMajor, f.device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&f.cc_minor, cudaDevAttrComputeCapabilityMinor, f.device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, f.device));
+  return f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped GEMM launch
+
+// CTAs of one kernel that fit an SM, cached per device after the first launch there
+// (which also raises the kernel's dynamic shared memory limit on that device).
+template <class T, class Policy, kernels::moe_gemm_kind Kind>
+int resident_gemm_ctas(int device) {
+  constexpr grouped_gemm_tuning tuning = Policy::tuning;
+  constexpr int cached_devices = 64;
+  static std::array<std::atomic<int>, cached_devices> cache{};
+  if (device >= 0 && device < cached_devices) {
+    if (const int n = cache[device].load(std::memory_order_relaxed); n > 0) return n;
+  }
+  const auto kernel = kernels::moe_grouped_gemm_kernel<T, Policy, Kind>;
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tuning.smem_bytes()));
+  int n = 0;
+  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, tuning.threads(), tuning.smem_bytes()));
+  MOE_EXPECT(n > 0, "gpu::launch_moe_gemm",
+             "the grouped GEMM tuning does not fit on this device (" + std::to_string(tuning.smem_bytes()) +
+                 " bytes of shared memory per CTA)");
+  if (device >= 0 && device < cached_devices) cache[device].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+// Output columns one CTA covers for a GEMM kind.
+template <class Policy, kernels::moe_gemm_kind Kind>
+constexpr int gemm_out_cols() {
+  return Kind == kernels::moe_gemm_kind::gate_up ? Policy::tuning.block_n / 2 : Policy::tuning.block_n;
+}
+
+// Launches one grouped GEMM over the schedule's tiles. `p.tiles`, `p.tile_count` and
+// `p.n_tiles` are filled here from `schedule`.
+template <class T, class Policy, kernels::moe_gemm_kind Kind>
+void launch_moe_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& schedule, const device_facts& dev,
+                     cudaStream_t stream) {
+  constexpr const char* where = "gpu::launch_moe_gemm";
+  constexpr grouped_gemm_tuning tuning = Policy::tuning;
+  MOE_EXPECT(schedule.block_m == tuning.block_m, where, "the tile schedule was built for another block_m");
+  MOE_EXPECT(dev.cc_major * 10 + dev.cc_minor >= tuning.min_arch, where,
+             "the grouped GEMM tuning needs sm_" + std::to_string(tuning.min_arch) + " or newer, the device is sm_" +
+                 std::to_string(dev.cc_major * 10 + dev.cc_minor));
+  MOE_EXPECT(p.k > 0 && p.k % 8 == 0 && p.n > 0 && p.n % 8 == 0, where,
+             "the GEMM's n and k must be positive multiples of 8");
+  if (schedule.capacity == 0) return;
+  constexpr int cols = gemm_out_cols<Policy, Kind>();
+  const std::int64_t n_tiles = (p.n + cols - 1) / cols;
+  const std::int64_t work_bound = schedule.capacity * n_tiles;
+  const std::int64_t resident = static_cast<std::int64_t>(dev.sm_count) * resident_gemm_ctas<T, Policy, Kind>(dev.device);
+  const auto grid = static_cast<unsigned>(std::min<std::int64_t>({work_bound, resident, 0x7fffffff}));
+  p.tiles = schedule.tiles;
+  p.tile_count = schedule.count;
+  p.n_tiles = static_cast<int>(n_tiles);
+  kernels::moe_grouped_gemm_kernel<T, Policy, Kind><<<grid, tuning.threads(), tuning.smem_bytes(), stream>>>(p);
+  MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_kernel");
+}
+
+}  // namespace moerunner::gpu

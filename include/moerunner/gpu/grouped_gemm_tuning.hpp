@@ -1,0 +1,97 @@
+// Tuning values of the grouped tensor-core GEMM (mma.sync m16n8k16) and the small
+// selector that picks them per GPU architecture, in the manner of CUB's policy hubs:
+// a tuning is a value (a struct of ints with ==), checked where it is defined.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+namespace moerunner::gpu {
+
+// One CTA computes a block_m x block_n tile of C = A * B^T, A [rows, K], B [N, K] row-major.
+// For the gated first GEMM block_n counts B rows: half gate rows, half the matching up rows.
+struct grouped_gemm_tuning {
+  int block_m;
+  int block_n;
+  int block_k;  // 32 or 64 (elements): one smem row is 4 or 8 16-byte chunks
+  int warps_m;
+  int warps_n;
+  int stages;    // cp.async pipeline depth
+  int min_arch;  // lowest SM version (80, 90) this tuning is compiled and launched for
+
+  constexpr int threads() const { return 32 * warps_m * warps_n; }
+  constexpr int warp_tile_m() const { return block_m / warps_m; }
+  constexpr int warp_tile_n() const { return block_n / warps_n; }
+  // 16-bit elements only (bf16 / f16); the A and B tiles of every stage.
+  constexpr int pipeline_smem_bytes() const { return stages * (block_m + block_n) * block_k * 2; }
+  // The f32 C tile the epilogue stages through smem, rows padded by 8 floats (no bank conflicts).
+  constexpr int epilogue_smem_bytes() const { return block_m * (block_n + 8) * 4; }
+  // The two phases reuse the same buffer.
+  constexpr int smem_bytes() const {
+    return pipeline_smem_bytes() > epilogue_smem_bytes() ? pipeline_smem_bytes() : epilogue_smem_bytes();
+  }
+  friend constexpr bool operator==(const grouped_gemm_tuning&, const grouped_gemm_tuning&) = default;
+};
+
+// The conditions the kernel's index arithmetic relies on; each says why in its message.
+consteval bool check_grouped_gemm_tuning(grouped_gemm_tuning t) {
+  if (t.block_k != 32 && t.block_k != 64) throw "block_k must be 32 or 64 (the smem swizzle assumes it)";
+  if (t.warps_m < 1 || t.warps_n < 1) throw "warps_m and warps_n must be positive";
+  if (t.block_m % (16 * t.warps_m) != 0) throw "each warp's M tile must be a multiple of the mma M (16)";
+  // Gated GEMM1 splits each warp's N tile into gate and up halves, each loaded with ldmatrix.x4 (16 rows).
+  if (t.block_n % (32 * t.warps_n) != 0) throw "each warp's N tile must be a multiple of 32 (two 16-row halves)";
+  const int rows_per_pass = t.threads() / (t.block_k / 8);
+  if (rows_per_pass % 8 != 0) throw "a load pass must cover whole 8-row swizzle groups";
+  if (t.block_m % rows_per_pass != 0 || t.block_n % rows_per_pass != 0)
+    throw "block_m and block_n must be whole multiples of the rows one load pass covers";
+  if (t.stages < 2) throw "the pipeline needs at least two stages";
+  if (t.smem_bytes() > 227 * 1024) throw "the pipeline does not fit in shared memory";
+  if (t.min_arch != 80 && t.min_arch != 90) throw "min_arch must be 80 or 90";
+  return true;
+}
+
+// The tunings travel through kernel templates as types that carry the value (the CUB way):
+// nvcc's generated host stubs cannot spell class-type template arguments.
+// Ampere (and every sm_8x): 68 KiB of smem per CTA so that two CTAs fit an A100 SM and one an sm_86 SM.
+struct sm80_gemm_policy {
+  static constexpr grouped_gemm_tuning tuning{
+      .block_m = 128, .block_n = 128, .block_k = 32, .warps_m = 2, .warps_n = 2, .stages = 4, .min_arch = 80};
+};
+// Hopper, mma.sync path: deeper K tile (half the barriers per FLOP); 96 KiB, two CTAs per SM.
+struct sm90_gemm_policy {
+  static constexpr grouped_gemm_tuning tuning{
+      .block_m = 128, .block_n = 128, .block_k = 64, .warps_m = 2, .warps_n = 2, .stages = 3, .min_arch = 90};
+};
+static_assert(check_grouped_gemm_tuning(sm80_gemm_policy::tuning));
+static_assert(check_grouped_gemm_tuning(sm90_gemm_policy::tuning));
+// Both GEMMs and both tunings share one M-tile schedule (see build_tile_schedule).
+static_assert(sm80_gemm_policy::tuning.block_m == sm90_gemm_policy::tuning.block_m);
+inline constexpr int moe_gemm_block_m = sm80_gemm_policy::tuning.block_m;
+
+// Which tuning a run uses: the selector's choice for the device, or one forced (tests, benchmarks).
+enum class gemm_tuning_choice : std::uint8_t { automatic, sm80, sm90 };
+
+constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
+  switch (c) {
+    case gemm_tuning_choice::automatic: return "automatic";
+    case gemm_tuning_choice::sm80: return "sm80";
+    case gemm_tuning_choice::sm90: return "sm90";
+  }
+  return "?";
+}
+
+// The selector: the newest tuning the device's compute capability runs.
+constexpr gemm_tuning_choice select_gemm_tuning(int cc_major) {
+  return cc_major >= 9 ? gemm_tuning_choice::sm90 : gemm_tuning_choice::sm80;
+}
+
+// One M tile of the grouped GEMM: rows [row_begin, row_end) of expert `expert` in
+// expert-sorted row order. 16 bytes so that a CTA reads it with one vector load.
+struct alignas(16) moe_m_tile {
+  std::int32_t expert;
+  std::int32_t row_begin;
+  std::int32_t row_end;
+  std::int32_t unused;
+};
+
+}  // namespace moerunner::gpu

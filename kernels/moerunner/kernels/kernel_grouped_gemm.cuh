@@ -1,0 +1,430 @@
+// Device code of the fused backend's grouped GEMMs (mma.sync m16n8k16, bf16/f16 in, f32
+// accumulate, ldmatrix, cp.async multi-stage pipeline), and the kernel that turns the
+// routing plan's expert offsets into the list of M tiles both GEMMs walk.
+//
+//   moe_tile_schedule_kernel: expert_offsets [E+1] -> M tiles (expert, row_begin, row_end)
+//   moe_grouped_gemm_kernel<T, tuning, kind>: persistent CTAs stride over (M tile, N tile)
+//     gate_up / up_only (GEMM1): A row r = x[row_to_slot[r] / k], epilogue = activation -> act [R, I]
+//     down (GEMM2): A = act rows [R, I] in row order, epilogue = plain store -> rows [R, H]
+//
+// Written by hand rather than with CUTLASS because the A gather, the gate/up pairing in
+// registers and the device-side tile schedule all live inside the mainloop and epilogue.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/kernels/kernel_grouped_gemm.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <cstdint>
+#include <cstring>
+
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "moerunner/core/config.hpp"
+#include "moerunner/gpu/grouped_gemm_tuning.hpp"
+#include "moerunner/kernels/activation_math.cuh"
+
+namespace moerunner::kernels {
+
+// ---------------------------------------------------------------------------------------------
+// M-tile schedule
+
+inline constexpr int schedule_threads = 1024;
+inline constexpr int schedule_max_experts = max_num_experts;
+inline constexpr int schedule_items = (schedule_max_experts + schedule_threads - 1) / schedule_threads;
+
+// One block: tiles of expert e are numbered from the exclusive prefix sum of
+// ceil(count[e] / block_m); tile i belongs to the expert whose range holds i.
+// Empty experts own no tile, so no GEMM CTA ever sees them.
+__global__ void __launch_bounds__(schedule_threads)
+    moe_tile_schedule_kernel(const std::int32_t* __restrict__ expert_offsets, int num_experts, int block_m,
+                             gpu::moe_m_tile* __restrict__ tiles, std::int32_t* __restrict__ tile_count,
+                             int capacity) {
+  using scan_t = cub::BlockScan<int, schedule_threads>;
+  __shared__ typename scan_t::TempStorage scan_storage;
+  __shared__ int offsets[schedule_max_experts + 1];
+  __shared__ int first_tile[schedule_max_experts + 1];
+
+  for (int e = threadIdx.x; e <= num_experts; e += schedule_threads) offsets[e] = expert_offsets[e];
+  __syncthreads();
+
+  int counts[schedule_items];
+#pragma unroll
+  for (int j = 0; j < schedule_items; ++j) {
+    const int e = threadIdx.x * schedule_items + j;
+    const int rows = e < num_experts ? offsets[e + 1] - offsets[e] : 0;
+    counts[j] = rows > 0 ? (rows + block_m - 1) / block_m : 0;
+  }
+  int total = 0;
+  scan_t(scan_storage).ExclusiveSum(counts, counts, total);
+#pragma unroll
+  for (int j = 0; j < schedule_items; ++j) {
+    const int e = threadIdx.x * schedule_items + j;
+    if (e < num_experts) first_tile[e] = counts[j];
+  }
+  // A plan that promised more rows than slots cannot happen; clamping keeps the GEMMs in bounds anyway.
+  const int used = total < capacity ? total : capacity;
+  if (threadIdx.x == 0) {
+    first_tile[num_experts] = total;
+    *tile_count = used;
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < used; i += schedule_threads) {
+    // Invariant first_tile[lo] <= i < first_tile[hi]; ends on the one expert with tiles holding i.
+    int lo = 0, hi = num_experts;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (first_tile[mid] <= i) lo = mid;
+      else hi = mid;
+    }
+    const int begin = offsets[lo] + (i - first_tile[lo]) * block_m;
+    const int end = begin + block_m < offsets[lo + 1] ? begin + block_m : offsets[lo + 1];
+    tiles[i] = gpu::moe_m_tile{lo, begin, end, 0};
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers
+
+__device__ __forceinline__ std::uint32_t smem_address(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global->shared copy; `valid` false writes zeros and reads nothing (src-size 0).
+__device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int Pending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+template <class T>
+struct mma_16816;
+
+template <>
+struct mma_16816<__nv_bfloat16> {
+  __device__ __forceinline__ static void run(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+  // Two floats rounded to bf16, `lo` in the low half (the lower address once stored).
+  __device__ __forceinline__ static std::uint32_t pack2(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    std::uint32_t r;
+    memcpy(&r, &v, sizeof(r));
+    return r;
+  }
+};
+
+template <>
+struct mma_16816<__half> {
+  __device__ __forceinline__ static void run(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+  __device__ __forceinline__ static std::uint32_t pack2(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    std::uint32_t r;
+    memcpy(&r, &v, sizeof(r));
+    return r;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Grouped GEMM
+
+enum class moe_gemm_kind : std::uint8_t {
+  gate_up,  // GEMM1, gated: B = w13[e] ([2I, H]); C tile pairs gate column i with up column I + i
+  up_only,  // GEMM1, not gated: B = w13[e] ([I, H])
+  down,     // GEMM2: B = w2[e] ([H, I]); A = act rows in row order
+};
+
+template <class T>
+struct moe_gemm_params {
+  const T* a;                           // GEMM1: x [M, K=H]; GEMM2: act [R, K=I]
+  const std::int32_t* row_to_slot;      // GEMM1: A row r is x[row_to_slot[r] / top_k]
+  int top_k;
+  const T* b;                           // [E, b_rows_per_expert, K] row-major
+  std::int64_t b_rows_per_expert;
+  int n;                                // output columns: I for GEMM1, H for GEMM2
+  int k;                                // reduction length, a multiple of 8
+  T* c;                                 // [R, n] in row order
+  const gpu::moe_m_tile* tiles;         // from moe_tile_schedule_kernel
+  const std::int32_t* tile_count;
+  int n_tiles;                          // ceil(n / output columns per CTA)
+  const float* input_weights;           // GEMM1 with apply_router_weight_on_input: topk_weights [M*k]; else null
+  activation act;
+};
+
+// Eight consecutive floats from 16-byte-aligned smem, as two vector loads.
+__device__ __forceinline__ void load8(float (&v)[8], const float* src) {
+  const float4 a = *reinterpret_cast<const float4*>(src);
+  const float4 b = *reinterpret_cast<const float4*>(src + 4);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// Where the 16-byte chunk `chunk` of smem tile row `row` lives: XOR-swizzled so that the
+// 8 rows one ldmatrix phase reads (and cp.async writes) fall in 8 different bank groups.
+template <int BlockK>
+__device__ __forceinline__ int swizzled_chunk(int row, int chunk) {
+  if constexpr (BlockK == 64) return chunk ^ (row & 7);  // 128-byte rows: 8 chunks
+  else return chunk ^ ((row >> 1) & 3);                  // 64-byte rows: two rows per 128-byte line
+}
+
+template <class T, class Policy, moe_gemm_kind Kind>
+struct moe_gemm_tile {
+  static constexpr gpu::grouped_gemm_tuning tuning = Policy::tuning;
+  static constexpr int bm = tuning.block_m, bn = tuning.block_n, bk = tuning.block_k, stages = tuning.stages;
+  static constexpr int threads = tuning.threads();
+  static constexpr int wtm = tuning.warp_tile_m(), wtn = tuning.warp_tile_n();
+  static constexpr int mi_count = wtm / 16;   // mma tiles along M per warp
+  static constexpr int ni_count = wtn / 8;    // mma tiles along N per warp (B rows)
+  static constexpr int ki_count = bk / 16;    // mma steps per K tile
+  // Gated: the B tile's first half holds gate rows, the second half the up rows of the same columns.
+  static constexpr int halves = Kind == moe_gemm_kind::gate_up ? 2 : 1;
+  static constexpr int ni_half = ni_count / halves;
+  static constexpr int out_cols = bn / halves;  // output columns per CTA
+  static constexpr int chunks_per_row = bk / 8;
+  static constexpr int rows_per_pass = threads / chunks_per_row;
+  static constexpr int a_passes = bm / rows_per_pass;
+  static constexpr int b_passes = bn / rows_per_pass;
+  static constexpr int stage_elems = (bm + bn) * bk;
+
+  static_assert(gpu::check_grouped_gemm_tuning(tuning));
+  static_assert(ni_half % 2 == 0, "ldmatrix.x4 loads two n8 tiles of one half at a time");
+  static_assert(sizeof(T) == 2, "the tile layout is written for 16-bit elements");
+
+  // Smem row of the B tile that holds mma tile `ni` of warp column `warp_n`.
+  __device__ __forceinline__ static int b_tile_row(int warp_n, int ni) {
+    return (ni / ni_half) * (bn / halves) + warp_n * (wtn / halves) + (ni % ni_half) * 8;
+  }
+
+  // Issues the cp.async copies of K tile `kt` into stage buffer `stage`.
+  __device__ __forceinline__ static void load_stage(T* smem, int stage, int kt, const moe_gemm_params<T>& p,
+                                                    const T* b_expert, const int (&a_src_row)[a_passes],
+                                                    const int (&b_src_row)[b_passes], int ld_row, int ld_chunk) {
+    T* sa = smem + stage * stage_elems;
+    T* sb = sa + bm * bk;
+    const int kcol = kt * bk + ld_chunk * 8;
+    const bool k_ok = kcol < p.k;  // k is a multiple of 8, so a chunk is wholly in or out
+    const int st_chunk = swizzled_chunk<bk>(ld_row, ld_chunk);  // rows_per_pass is a multiple of 8
+#pragma unroll
+    for (int i = 0; i < a_passes; ++i) {
+      const int r = ld_row + i * rows_per_pass;
+      const bool ok = k_ok && a_src_row[i] >= 0;
+      const T* src = ok ? p.a + static_cast<std::int64_t>(a_src_row[i]) * p.k + kcol : p.a;
+      cp_async_16(smem_address(sa + r * bk + st_chunk * 8), src, ok);
+    }
+#pragma unroll
+    for (int i = 0; i < b_passes; ++i) {
+      const int r = ld_row + i * rows_per_pass;
+      const bool ok = k_ok && b_src_row[i] >= 0;
+      const T* src = ok ? b_expert + static_cast<std::int64_t>(b_src_row[i]) * p.k + kcol : p.b;
+      cp_async_16(smem_address(sb + r * bk + st_chunk * 8), src, ok);
+    }
+  }
+
+  // One K tile of mma: fragments straight from the swizzled smem by ldmatrix.
+  __device__ __forceinline__ static void compute_stage(const T* smem, int stage, int warp_m, int warp_n, int lane,
+                                                       float (&acc)[mi_count][ni_count][4]) {
+    const T* sa = smem + stage * stage_elems;
+    const T* sb = sa + bm * bk;
+#pragma unroll
+    for (int kk = 0; kk < ki_count; ++kk) {
+      // A 16x16: lanes 0-15 address rows 0-15 at k 0-7, lanes 16-31 the same rows at k 8-15,
+      // giving registers a0 (rows 0-7, k 0-7), a1 (rows 8-15), a2 (k 8-15), a3 as mma expects.
+      std::uint32_t af[mi_count][4];
+#pragma unroll
+      for (int mi = 0; mi < mi_count; ++mi) {
+        const int r = warp_m * wtm + mi * 16 + (lane & 15);
+        const int c = kk * 2 + (lane >> 4);
+        ldmatrix_x4(af[mi], smem_address(sa + r * bk + swizzled_chunk<bk>(r, c) * 8));
+      }
+      // B stored [n][k]: matrix 0 = (n 0-7, k 0-7) -> b0 of tile ni, 1 = (n 0-7, k 8-15) -> b1,
+      // 2 and 3 the same for n 8-15 -> tile ni + 1.
+      std::uint32_t bf[ni_count][2];
+#pragma unroll
+      for (int ni = 0; ni < ni_count; ni += 2) {
+        const int r = b_tile_row(warp_n, ni) + (lane & 7) + ((lane >> 4) << 3);
+        const int c = kk * 2 + ((lane >> 3) & 1);
+        std::uint32_t t[4];
+        ldmatrix_x4(t, smem_address(sb + r * bk + swizzled_chunk<bk>(r, c) * 8));
+        bf[ni][0] = t[0];
+        bf[ni][1] = t[1];
+        bf[ni + 1][0] = t[2];
+        bf[ni + 1][1] = t[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < mi_count; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < ni_count; ++ni) mma_16816<T>::run(acc[mi][ni], af[mi], bf[ni]);
+    }
+  }
+
+  __device__ __forceinline__ static void run(T* smem, const moe_gemm_params<T>& p, const gpu::moe_m_tile& tile,
+                                             int n_tile) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int warp_m = warp % tuning.warps_m, warp_n = warp / tuning.warps_m;
+    const int rows = tile.row_end - tile.row_begin;  // 1..bm
+    const int n0 = n_tile * out_cols;
+    const T* b_expert = p.b + static_cast<std::int64_t>(tile.expert) * p.b_rows_per_expert * p.k;
+
+    // Each thread copies the same chunk column of a fixed set of rows in every K tile;
+    // -1 marks a row past the tile (zero-filled, never stored).
+    const int ld_row = tid / chunks_per_row, ld_chunk = tid % chunks_per_row;
+    int a_src_row[a_passes];
+#pragma unroll
+    for (int i = 0; i < a_passes; ++i) {
+      const int r = ld_row + i * rows_per_pass;
+      if (r >= rows) {
+        a_src_row[i] = -1;
+      } else if constexpr (Kind == moe_gemm_kind::down) {
+        a_src_row[i] = tile.row_begin + r;
+      } else {
+        a_src_row[i] = p.row_to_slot[tile.row_begin + r] / p.top_k;
+      }
+    }
+    int b_src_row[b_passes];
+#pragma unroll
+    for (int i = 0; i < b_passes; ++i) {
+      const int r = ld_row + i * rows_per_pass;
+      const int half = r / (bn / halves);
+      const int col = n0 + r % (bn / halves);
+      b_src_row[i] = col < p.n ? half * p.n + col : -1;
+    }
+
+    float acc[mi_count][ni_count][4];
+#pragma unroll
+    for (int mi = 0; mi < mi_count; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < ni_count; ++ni)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.0f;
+
+    // Multistage pipeline: stages-1 K tiles in flight. Before computing K tile kt, at most
+    // stages-2 newer groups may still be pending; the barrier then also guarantees that every
+    // warp has finished computing on the buffer the next prefetch overwrites (tile kt-1's).
+    // Groups are committed even when empty so the count stays exact at the tail.
+    const int k_tiles = (p.k + bk - 1) / bk;
+#pragma unroll
+    for (int s = 0; s < stages - 1; ++s) {
+      if (s < k_tiles) load_stage(smem, s, s, p, b_expert, a_src_row, b_src_row, ld_row, ld_chunk);
+      cp_async_commit();
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<stages - 2>();
+      __syncthreads();
+      const int next = kt + stages - 1;
+      if (next < k_tiles) load_stage(smem, next % stages, next, p, b_expert, a_src_row, b_src_row, ld_row, ld_chunk);
+      cp_async_commit();
+      compute_stage(smem, kt % stages, warp_m, warp_n, lane, acc);
+    }
+    // The epilogue reuses the pipeline's smem, which other warps may still be reading.
+    cp_async_wait<0>();
+    __syncthreads();
+    epilogue(smem, p, tile, n0, warp_m, warp_n, lane, acc);
+  }
+
+  // Accumulators -> f32 C tile in smem -> activation (GEMM1) -> 16-byte stores of 8 outputs.
+  // Going through smem keeps one copy of the activation code in a rolled loop (unrolled over
+  // every fragment it would push the accumulators to local memory) and makes stores coalesced.
+  __device__ __forceinline__ static void epilogue(T* smem, const moe_gemm_params<T>& p, const gpu::moe_m_tile& tile,
+                                                  int n0, int warp_m, int warp_n, int lane,
+                                                  const float (&acc)[mi_count][ni_count][4]) {
+    constexpr int cs_stride = bn + 8;  // floats; +8 spreads the 8 rows of a fragment over the banks
+    float* cs = reinterpret_cast<float*>(smem);
+    // Accumulator q of mma tile (mi, ni) sits at row g (+8 for q >= 2) and columns 2t, 2t+1
+    // (q even, odd) with g = lane / 4, t = lane % 4; columns are kept in B-tile order, so for
+    // gate_up the gate value of output column c is at c and its up value at bn/2 + c.
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < mi_count; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < ni_count; ++ni)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = warp_m * wtm + mi * 16 + g + h * 8;
+          const int c = b_tile_row(warp_n, ni) + 2 * t;
+          *reinterpret_cast<float2*>(cs + r * cs_stride + c) = make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+        }
+    __syncthreads();
+
+    constexpr int vecs_per_row = out_cols / 8;
+    const int rows = tile.row_end - tile.row_begin;
+    for (int item = threadIdx.x; item < bm * vecs_per_row; item += threads) {
+      const int r = item / vecs_per_row;
+      const int c = (item % vecs_per_row) * 8;
+      const int col = n0 + c;
+      if (r >= rows || col >= p.n) continue;  // n is a multiple of 8: a vector is wholly in or out
+      const int row = tile.row_begin + r;
+      const float* src = cs + r * cs_stride + c;
+      float v[8];
+      load8(v, src);
+      if constexpr (Kind != moe_gemm_kind::down) {
+        // act(W (w x)) = act(w (W x)): the router weight scales the f32 accumulators instead of x.
+        const float scale = p.input_weights != nullptr ? p.input_weights[p.row_to_slot[row]] : 1.0f;
+        if constexpr (Kind == moe_gemm_kind::gate_up) {
+          float u[8];
+          load8(u, src + out_cols);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) v[j] = apply_activation(p.act, true, v[j] * scale, u[j] * scale);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) v[j] = apply_activation(p.act, false, v[j] * scale, 0.0f);
+        }
+      }
+      const uint4 packed = make_uint4(mma_16816<T>::pack2(v[0], v[1]), mma_16816<T>::pack2(v[2], v[3]),
+                                      mma_16816<T>::pack2(v[4], v[5]), mma_16816<T>::pack2(v[6], v[7]));
+      *reinterpret_cast<uint4*>(p.c + static_cast<std::int64_t>(row) * p.n + col) = packed;
+    }
+    // The next tile's prologue overwrites the C tile.
+    __syncthreads();
+  }
+};
+
+#if defined(__CUDA_ARCH__)
+inline constexpr int compiled_sm = __CUDA_ARCH__ / 10;
+#else
+inline constexpr int compiled_sm = 0;
+#endif
+
+// Persistent CTAs: work item w = m_tile * n_tiles + n_tile, N fastest, so CTAs that run
+// together share an A tile (gathered x rows read once from HBM) and walk one expert's weights.
+// The number of M tiles is only known on the device; the grid never depends on it.
+template <class T, class Policy, moe_gemm_kind Kind>
+__global__ void __launch_bounds__(Policy::tuning.threads()) moe_grouped_gemm_kernel(const moe_gemm_params<T> p) {
+  // A tuning is only compiled for the architectures it was written for (the launch code checks too).
+  if constexpr (compiled_sm >= Policy::tuning.min_arch) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* smem = reinterpret_cast<T*>(smem_raw);
+    const std::int64_t work = static_cast<std::int64_t>(*p.tile_count) * p.n_tiles;
+    for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+      const int m_tile = static_cast<int>(w / p.n_tiles);
+      const int n_tile = static_cast<int>(w % p.n_tiles);
+      const gpu::moe_m_tile tile = p.tiles[m_tile];
+      moe_gemm_tile<T, Policy, Kind>::run(smem, p, tile, n_tile);
+    }
+  }
+}
+
+}  // namespace moerunner::kernels

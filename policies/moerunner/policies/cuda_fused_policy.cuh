@@ -1,0 +1,219 @@
+// The `cuda_fused` backend, the default GPU policy: the runner core as a few CUDA
+// kernels with tensor-core GEMMs, bf16 or f16 in, f32 accumulate.
+//
+// Pipeline, all on the caller's stream:
+//   routing plan (device counts, offsets, slot order; -1 ids skipped)
+//   -> M-tile schedule from the device-side expert offsets (one small block)
+//   -> GEMM1: rows gathered from x inside the load (no permuted copy), times w13[e]^T; the
+//      epilogue pairs gate column i with up column I+i in registers and writes act [R, I]
+//      (apply_router_weight_on_input scales the f32 accumulators: act(W(w x)) = act(w (W x)))
+//   -> GEMM2: act [R, I] times w2[e]^T -> rows [R, H]
+//   -> combine_rows: each token's k rows times its router weight (unless applied on the input)
+//      and routed_scaling_factor (unless the weights carry it), in a fixed order; or [M, k, H]
+//      with no_combine.
+// The GEMM grids are persistent and sized from M, k, E only, so no per-expert count ever
+// reaches the host: no allocation and no host synchronization inside a run, which makes it
+// CUDA-graph capturable. The GEMM tuning is picked per device by gpu::select_gemm_tuning.
+//
+// Requirements, checked with a clear error before anything runs:
+//   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
+//   - hidden_size and intermediate_size are multiples of 8 (16-byte vector loads along K
+//     and paired stores along N); any other size works, including ones that are not
+//     multiples of the GEMM tiles;
+//   - hidden_states, w13 and w2 start on 16-byte boundaries (cudaMalloc gives 256);
+//   - num_tokens * top_k fits in 32 bits.
+// The workspace needs no particular alignment: run aligns its pieces itself.
+// An expert id outside [-1, num_local_experts) is handled by the routing plan, which flags
+// it on the device (plan.error_flag); checking it would need a host round trip.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/policies/cuda_fused_policy.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include <cuda/stream_ref>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include "moerunner/core/concepts.hpp"
+#include "moerunner/core/config.hpp"
+#include "moerunner/core/error.hpp"
+#include "moerunner/core/types.hpp"
+#include "moerunner/gpu/combine.cuh"
+#include "moerunner/gpu/grouped_gemm.cuh"
+#include "moerunner/gpu/grouped_gemm_tuning.hpp"
+#include "moerunner/gpu/permute.cuh"
+#include "moerunner/gpu/routing_plan.hpp"
+#include "moerunner/runner/validate.hpp"
+
+namespace moerunner {
+
+class cuda_fused_policy {
+ public:
+  static constexpr std::string_view name = "cuda_fused";
+  static constexpr memory_space tensor_space = memory_space::device;
+  using quant_infos = quant_info_list<unquantized_quant_info>;
+  static constexpr bool graph_capturable = true;
+  // Activations and weights are 16-bit; the workspace holds act and rows at this width.
+  static constexpr std::size_t element_bytes = 2;
+  // hidden_states, w13 and w2 are read with 16-byte cp.async copies.
+  static constexpr std::size_t pointer_alignment = 16;
+  // hidden_size and intermediate_size must be multiples of this (one 16-byte chunk of K).
+  static constexpr int size_multiple = 8;
+
+  explicit cuda_fused_policy(const MoeRunnerConfig& cfg) : cfg_(cfg) {}
+
+  // Forces a GEMM tuning instead of the device's own (benchmarks, and tests that run the
+  // sm80 tuning on a Hopper GPU); a tuning newer than the device is rejected at run time.
+  void set_gemm_tuning(gpu::gemm_tuning_choice choice) noexcept { tuning_ = choice; }
+  gpu::gemm_tuning_choice gemm_tuning() const noexcept { return tuning_; }
+
+  // Alignment slack + routing plan + M-tile schedule + act [M*k, I] + rows [M*k, H],
+  // each piece 256-byte aligned; exactly what run_from_dispatch carves.
+  std::size_t workspace_bytes(std::int64_t num_tokens) const { return layout(num_tokens).total; }
+
+  CombineInput run_from_dispatch(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
+                                 workspace_view ws, cuda::stream_ref stream_ref) {
+    constexpr const char* where = "cuda_fused_policy";
+    // The runner has checked these already; repeated so the policy is safe on its own.
+    detail::validate_dispatch(cfg_, d, out, tensor_space, where);
+    detail::validate_quant_info(cfg_, q, tensor_space, where);
+    const dtype type = d.hidden_states.type;
+    if (type != dtype::bf16 && type != dtype::f16)
+      throw unsupported_error(std::string(where) + ": hidden_states must be bf16 or f16 (this backend runs " +
+                              "16-bit tensor-core GEMMs), got " + std::string(dtype_name(type)));
+    MOE_EXPECT(q.w13.type == type && q.w2.type == type, where,
+               "w13 and w2 must have the dtype of hidden_states (" + std::string(dtype_name(type)) + "), got " +
+                   std::string(dtype_name(q.w13.type)) + " and " + std::string(dtype_name(q.w2.type)));
+    MOE_EXPECT(cfg_.hidden_size() % size_multiple == 0, where,
+               "hidden_size must be a multiple of 8 (16-byte vector loads), got " +
+                   std::to_string(cfg_.hidden_size()));
+    MOE_EXPECT(cfg_.intermediate_size() % size_multiple == 0, where,
+               "intermediate_size must be a multiple of 8 (16-byte vector loads), got " +
+                   std::to_string(cfg_.intermediate_size()));
+    check::aligned(d.hidden_states, pointer_alignment, where, "hidden_states");
+    check::aligned(q.w13, pointer_alignment, where, "w13");
+    check::aligned(q.w2, pointer_alignment, where, "w2");
+    const std::int64_t m = d.num_tokens();
+    MOE_EXPECT(m * cfg_.top_k() <= 0x7fffffff, where, "num_tokens * top_k must fit in 32 bits");
+    const pieces lay = layout(m);
+    detail::validate_workspace(lay.total, ws, where);
+
+    const CombineInput result{out, !cfg_.no_combine()};
+    if (m == 0) return result;
+
+    const gpu::device_facts dev = gpu::current_device_facts();
+    const gpu::gemm_tuning_choice choice =
+        tuning_ == gpu::gemm_tuning_choice::automatic ? gpu::select_gemm_tuning(dev.cc_major) : tuning_;
+    const int min_arch = choice == gpu::gemm_tuning_choice::sm90 ? gpu::sm90_gemm_policy::tuning.min_arch
+                                                                 : gpu::sm80_gemm_policy::tuning.min_arch;
+    const int arch = dev.cc_major * 10 + dev.cc_minor;
+    if (arch < min_arch)
+      throw unsupported_error(std::string(where) + ": GEMM tuning '" + std::string(gpu::gemm_tuning_name(choice)) +
+                              "' needs sm_" + std::to_string(min_arch) + " or newer, the device is sm_" +
+                              std::to_string(arch));
+
+    const bool bf16 = type == dtype::bf16;
+    const bool sm90 = choice == gpu::gemm_tuning_choice::sm90;
+    if (bf16 && sm90) run_pipeline<__nv_bfloat16, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, stream_ref.get());
+    else if (bf16) run_pipeline<__nv_bfloat16, gpu::sm80_gemm_policy>(d, q, out, ws, lay, dev, stream_ref.get());
+    else if (sm90) run_pipeline<__half, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, stream_ref.get());
+    else run_pipeline<__half, gpu::sm80_gemm_policy>(d, q, out, ws, lay, dev, stream_ref.get());
+    return result;
+  }
+
+ private:
+  static constexpr std::size_t piece_alignment = gpu::plan_piece_alignment;
+
+  static constexpr std::size_t round_up(std::size_t n) {
+    return (n + piece_alignment - 1) / piece_alignment * piece_alignment;
+  }
+
+  // Byte offsets from the aligned workspace start.
+  struct pieces {
+    std::size_t plan = 0, plan_bytes = 0;
+    std::size_t schedule = 0, schedule_bytes = 0;
+    std::size_t act = 0, rows = 0;
+    std::size_t total = 0;  // including the slack that aligns the start
+  };
+
+  pieces layout(std::int64_t num_tokens) const {
+    const auto slots = static_cast<std::size_t>(num_tokens) * static_cast<std::size_t>(cfg_.top_k());
+    const int e = cfg_.num_local_experts();
+    pieces p;
+    p.plan_bytes = round_up(gpu::routing_plan_bytes(num_tokens, cfg_.top_k(), e));
+    p.schedule = p.plan + p.plan_bytes;
+    p.schedule_bytes =
+        round_up(gpu::tile_schedule_bytes(static_cast<std::int64_t>(slots), e, gpu::moe_gemm_block_m));
+    p.act = p.schedule + p.schedule_bytes;
+    p.rows = p.act + round_up(slots * static_cast<std::size_t>(cfg_.intermediate_size()) * element_bytes);
+    const std::size_t end = p.rows + round_up(slots * static_cast<std::size_t>(cfg_.hidden_size()) * element_bytes);
+    p.total = end + piece_alignment;
+    return p;
+  }
+
+  template <class T, class GemmPolicy>
+  void run_pipeline(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
+                    workspace_view ws, const pieces& lay, const gpu::device_facts& dev, cudaStream_t stream) {
+    constexpr gpu::grouped_gemm_tuning tuning = GemmPolicy::tuning;
+    static_assert(tuning.block_m == gpu::moe_gemm_block_m, "the workspace is sized for one M-tile schedule");
+    const std::int64_t m = d.num_tokens();
+    const int k = cfg_.top_k(), hidden = cfg_.hidden_size(), inter = cfg_.intermediate_size();
+    const std::int64_t slots = m * k;
+    auto start = reinterpret_cast<std::uintptr_t>(ws.data);
+    start = (start + piece_alignment - 1) / piece_alignment * piece_alignment;
+    char* base = reinterpret_cast<char*>(start);
+
+    const gpu::routing_plan plan =
+        gpu::build_routing_plan(d.topk.topk_ids, cfg_.num_local_experts(), base + lay.plan, lay.plan_bytes, stream);
+    const gpu::tile_schedule schedule =
+        gpu::build_tile_schedule(plan, slots, tuning.block_m, base + lay.schedule, lay.schedule_bytes, stream);
+    T* act = reinterpret_cast<T*>(base + lay.act);
+    T* rows = reinterpret_cast<T*>(base + lay.rows);
+    const float* weights = d.topk.topk_weights.ptr<const float>();
+
+    kernels::moe_gemm_params<T> g1{};
+    g1.a = d.hidden_states.ptr<const T>();
+    g1.row_to_slot = plan.row_to_slot;
+    g1.top_k = k;
+    g1.b = q.w13.ptr<const T>();
+    g1.b_rows_per_expert = cfg_.w13_rows();
+    g1.n = inter;
+    g1.k = hidden;
+    g1.c = act;
+    g1.input_weights = cfg_.apply_router_weight_on_input() ? weights : nullptr;
+    g1.act = cfg_.act();
+    if (cfg_.is_gated()) gpu::launch_moe_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream);
+    else gpu::launch_moe_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream);
+
+    kernels::moe_gemm_params<T> g2{};
+    g2.a = act;
+    g2.top_k = k;
+    g2.b = q.w2.ptr<const T>();
+    g2.b_rows_per_expert = hidden;
+    g2.n = hidden;
+    g2.k = inter;
+    g2.c = rows;
+    g2.act = cfg_.act();
+    gpu::launch_moe_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream);
+
+    const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
+    gpu::combine_rows(rows, d.hidden_states.type, plan, cfg_.apply_router_weight_on_input() ? nullptr : weights,
+                      scale, out, cfg_.no_combine(), stream);
+  }
+
+  MoeRunnerConfig cfg_;
+  gpu::gemm_tuning_choice tuning_ = gpu::gemm_tuning_choice::automatic;
+};
+
+static_assert(explain_dispatch_runner_core<cuda_fused_policy>());
+static_assert(!std::is_polymorphic_v<cuda_fused_policy>);
+
+}  // namespace moerunner

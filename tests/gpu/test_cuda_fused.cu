@@ -1,0 +1,518 @@
+// The cuda_fused backend against the CPU reference on fresh random data, run through
+// MoeRunner<reference_policy, cuda_fused_policy>, with both GEMM tunings where the GPU
+// runs both (the sm80 one is forced on Hopper), plus what is particular to it: sizes that
+// are not multiples of its tiles, a misaligned workspace, its own requirement checks,
+// and CUDA-graph capture.
+//
+// Error bounds, normwise over the whole output: ||out - ref|| / ||ref|| <= 1e-2 for bf16 and
+// 2e-3 for fp16 (a few units of each dtype's rounding: act, rows and the output are each
+// rounded once). Every token (every [token, slot] row with no_combine) must also be within
+// 3x that bound on its own, and a row the reference leaves at zero must be exactly zero.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "gpu_test_util.hpp"
+#include "moerunner/moerunner.hpp"
+#include "moerunner/policies/cuda_fused_policy.cuh"
+
+namespace mr = moerunner;
+using mr::test::device_buffer;
+using mr::test::device_tensor;
+using mr::test::host_tensor;
+
+namespace {
+
+using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_policy>;
+using tuning = mr::gpu::gemm_tuning_choice;
+
+double bound_for(mr::dtype t) { return t == mr::dtype::bf16 ? 1e-2 : 2e-3; }
+constexpr double per_row_factor = 3.0;
+
+enum class ids_kind {
+  softmax,      // reference top-k of random logits
+  one_expert,   // every token on the same k experts (k = 1: all tokens on one expert)
+  filtered,     // about a quarter of the slots -1, and the middle token entirely
+  few_experts,  // only every fourth expert receives tokens
+};
+
+struct shape {
+  int m, e, k, h, i;
+};
+
+struct options {
+  mr::activation_kind act = mr::activation_kind::silu;
+  float limit = 7.0f;  // swiglu_clamped
+  ids_kind ids = ids_kind::softmax;
+  bool gated = true;
+  bool no_combine = false;
+  bool weight_on_input = false;
+  bool inplace = false;
+  float scaling = 1.0f;
+  bool scaling_in_weights = false;
+  int nan_token = -1;  // puts a NaN into this token's input
+};
+
+std::string describe(const shape& s, mr::dtype t, const options& o, tuning tu) {
+  return "M=" + std::to_string(s.m) + " E=" + std::to_string(s.e) + " k=" + std::to_string(s.k) +
+         " H=" + std::to_string(s.h) + " I=" + std::to_string(s.i) + " " + std::string(mr::dtype_name(t)) + " " +
+         std::string(mr::activation_name(o.act)) + " ids=" + std::to_string(static_cast<int>(o.ids)) +
+         (o.gated ? "" : " ungated") + (o.no_combine ? " no_combine" : "") +
+         (o.weight_on_input ? " weight_on_input" : "") + (o.inplace ? " inplace" : "") +
+         " scaling=" + std::to_string(o.scaling) + (o.scaling_in_weights ? " (in weights)" : "") +
+         (o.nan_token >= 0 ? " nan_token=" + std::to_string(o.nan_token) : "") + " tuning=" +
+         std::string(mr::gpu::gemm_tuning_name(tu));
+}
+
+// A random problem on the host with its reference output.
+struct problem {
+  shape s;
+  mr::dtype type;
+  options opt;
+  mr::MoeRunnerConfig cfg;
+  host_tensor x, w13, w2, weights, ids, ref;
+
+  problem(const shape& sh, mr::dtype t, const options& o, std::mt19937& rng)
+      : s(sh),
+        type(t),
+        opt(o),
+        cfg(mr::moe_config_params{.num_experts = sh.e,
+                                  .hidden_size = sh.h,
+                                  .intermediate_size = sh.i,
+                                  .top_k = sh.k,
+                                  .act = {.kind = o.act, .limit = o.limit},
+                                  .is_gated = o.gated,
+                                  .apply_router_weight_on_input = o.weight_on_input,
+                                  .routed_scaling_factor = o.scaling,
+                                  .no_combine = o.no_combine,
+                                  .inplace = o.inplace}),
+        x(t, {sh.m, sh.h}),
+        w13(t, {sh.e, cfg.w13_rows(), sh.h}),
+        w2(t, {sh.e, sh.h, sh.i}),
+        weights(mr::dtype::f32, {sh.m, sh.k}),
+        ids(mr::dtype::i32, {sh.m, sh.k}) {
+    // Scales keep every stage O(1), so relative errors mean the same at any H and I.
+    mr::test::fill_random(x, rng, 1.0f);
+    mr::test::fill_random(w13, rng, 2.0f / std::sqrt(static_cast<float>(sh.h)));
+    mr::test::fill_random(w2, rng, 2.0f / std::sqrt(static_cast<float>(sh.i)));
+    if (o.nan_token >= 0) mr::test::set_element(x.view, static_cast<std::int64_t>(o.nan_token) * sh.h + sh.h / 3, NAN);
+    route(rng);
+    ref = o.no_combine ? host_tensor(t, {sh.m, sh.k, sh.h}) : host_tensor(t, {sh.m, sh.h});
+    runner_t runner("reference", cfg);
+    if (o.inplace) {
+      host_tensor xin = x;
+      runner.run(mr::DispatchOutput{xin.view, {}, topk(weights.view, ids.view)},
+                 mr::unquantized_quant_info{w13.view, w2.view}, xin.view, {}, {});
+      std::memcpy(ref.view.data, xin.view.data, ref.view.bytes());
+    } else {
+      runner.run(mr::DispatchOutput{x.view, {}, topk(weights.view, ids.view)},
+                 mr::unquantized_quant_info{w13.view, w2.view}, ref.view, {}, {});
+    }
+  }
+
+  mr::TopKOutput topk(const mr::tensor_view& w, const mr::tensor_view& i) const {
+    return {w, i, opt.scaling_in_weights};
+  }
+
+  void route(std::mt19937& rng) {
+    host_tensor logits(mr::dtype::f32, {s.m, s.e});
+    mr::test::fill_random(logits, rng, 4.0f);
+    mr::topk_config tc{.top_k = s.k,
+                       .routed_scaling_factor = opt.scaling,
+                       .apply_routed_scaling_factor_on_weights = opt.scaling_in_weights};
+    mr::TopKOutput out{weights.view, ids.view};
+    mr::reference::topk(logits.view, nullptr, tc, out);
+    auto* id = ids.view.ptr<std::int32_t>();
+    const std::int64_t slots = static_cast<std::int64_t>(s.m) * s.k;
+    std::uniform_int_distribution<int> quarter(0, 3);
+    switch (opt.ids) {
+      case ids_kind::softmax: break;
+      case ids_kind::one_expert:
+        for (std::int64_t q = 0; q < slots; ++q) id[q] = (s.e / 2 + static_cast<int>(q % s.k)) % s.e;
+        break;
+      case ids_kind::filtered:
+        for (std::int64_t q = 0; q < slots; ++q)
+          if (quarter(rng) == 0 || q / s.k == s.m / 2) id[q] = -1;
+        break;
+      case ids_kind::few_experts:
+        for (std::int64_t q = 0; q < slots; ++q) id[q] = id[q] / 4 * 4;
+        break;
+    }
+  }
+};
+
+// Device copies of a problem and a runner that picked cuda_fused, with its workspace.
+struct on_device {
+  device_tensor x, w13, w2, weights, ids;
+  device_buffer out_buf, ws_buf;
+  mr::tensor_view out;
+  std::optional<runner_t> runner;
+  mr::workspace_view ws;
+
+  on_device(const problem& p, tuning tu, std::size_t ws_misalign = 0)
+      : x(p.x), w13(p.w13), w2(p.w2), weights(p.weights), ids(p.ids) {
+    runner.emplace("cuda_fused", p.cfg);
+    REQUIRE(runner->runner_backend().is_cuda_fused());
+    runner->visit([&](auto& core) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>) core.set_gemm_tuning(tu);
+    });
+    if (p.opt.inplace) {
+      out = x.view;
+    } else {
+      out_buf = device_buffer(p.ref.view.bytes());
+      out = p.ref.view;
+      out.data = out_buf.get();
+      out.space = mr::memory_space::device;
+    }
+    // Exactly the bytes asked for, starting ws_misalign bytes past an allocation boundary.
+    const std::size_t need = runner->workspace_bytes(p.s.m);
+    ws_buf = device_buffer(need + ws_misalign);
+    ws = {static_cast<char*>(ws_buf.get()) + ws_misalign, need};
+  }
+
+  mr::DispatchOutput dispatch(const problem& p) const { return {x.view, {}, p.topk(weights.view, ids.view)}; }
+
+  void launch(const problem& p, cudaStream_t stream) {
+    runner->run(dispatch(p), mr::unquantized_quant_info{w13.view, w2.view}, out, ws, cuda::stream_ref(stream));
+  }
+
+  void fill_out(unsigned char byte) {
+    if (out.bytes()) MOE_CUDA_CHECK(cudaMemset(out.data, byte, out.bytes()));
+  }
+
+  host_tensor result(const problem& p) const {
+    host_tensor h = p.ref;
+    if (out.bytes()) MOE_CUDA_CHECK(cudaMemcpy(h.view.data, out.data, out.bytes(), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+// Tunings to run on this GPU: its own, and the sm80 one as well on Hopper and later.
+std::vector<tuning> tunings() {
+  int device = 0, major = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major >= 9) return {tuning::automatic, tuning::sm80};
+  return {tuning::automatic};
+}
+
+// Compares a run (output poisoned with NaN beforehand) with the reference: every element
+// written and finite, normwise and per-row errors within bounds, zero rows exactly zero.
+void compare(const problem& p, const host_tensor& got) {
+  const mr::tensor_view& r = p.ref.view;
+  const std::int64_t h = p.s.h, rows = r.numel() / h;
+  const double bound = bound_for(p.type);
+  const auto* raw = got.view.ptr<const std::uint16_t>();
+  std::int64_t unwritten = 0, non_finite = 0, bad_rows = 0, nonzero_zero_rows = 0;
+  double num = 0.0, den = 0.0, worst = 0.0;
+  for (std::int64_t row = 0; row < rows; ++row) {
+    double rn = 0.0, rd = 0.0;
+    bool all_zero_ok = true;
+    for (std::int64_t c = 0; c < h; ++c) {
+      const std::int64_t i = row * h + c;
+      if (raw[i] == 0xffff) ++unwritten;
+      const double a = mr::test::element(got.view, i), b = mr::test::element(r, i);
+      if (!std::isfinite(a) || !std::isfinite(b)) {
+        ++non_finite;
+        continue;
+      }
+      rn += (a - b) * (a - b);
+      rd += b * b;
+      all_zero_ok &= a == 0.0;
+    }
+    num += rn;
+    den += rd;
+    if (rd == 0.0) {
+      nonzero_zero_rows += all_zero_ok ? 0 : 1;
+    } else {
+      const double e = std::sqrt(rn / rd);
+      worst = std::max(worst, e);
+      bad_rows += e <= per_row_factor * bound ? 0 : 1;
+    }
+  }
+  const double err = den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
+  CHECK_MESSAGE(unwritten == 0, unwritten, " elements still hold the poison");
+  CHECK_MESSAGE(non_finite == 0, non_finite, " elements are not finite");
+  CHECK_MESSAGE(err <= bound, "normwise relative error ", err, " bound ", bound);
+  CHECK_MESSAGE(bad_rows == 0, bad_rows, " rows above ", per_row_factor * bound, " (worst ", worst, ")");
+  CHECK_MESSAGE(nonzero_zero_rows == 0, nonzero_zero_rows, " rows should be exactly zero");
+}
+
+void check_case(const shape& s, mr::dtype t, const options& o = {}) {
+  for (tuning tu : tunings()) {
+    const unsigned seed = std::random_device{}();
+    CAPTURE(seed);
+    CAPTURE(describe(s, t, o, tu));
+    std::mt19937 rng(seed);
+    problem p(s, t, o, rng);
+    // A workspace that is not 256-byte aligned: the policy aligns its pieces itself.
+    on_device g(p, tu, 8);
+    if (!o.inplace) g.fill_out(0xff);
+    MOE_CUDA_CHECK(cudaMemset(g.ws_buf.get(), 0xff, g.ws_buf.bytes()));  // nothing may rely on zeroed scratch
+    g.launch(p, nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    compare(p, g.result(p));
+  }
+}
+
+constexpr mr::dtype both_types[] = {mr::dtype::bf16, mr::dtype::f16};
+// H and I that are multiples of 8 but of no GEMM tile (N tiles 64/128, K tiles 32/64).
+constexpr int odd_h = 200, odd_i = 72;
+
+}  // namespace
+
+TEST_CASE("cuda_fused declares what it is") {
+  static_assert(mr::cuda_fused_policy::graph_capturable);
+  static_assert(mr::cuda_fused_policy::tensor_space == mr::memory_space::device);
+  static_assert(std::is_nothrow_move_constructible_v<mr::cuda_fused_policy>);
+  CHECK(mr::cuda_fused_policy::name == "cuda_fused");
+}
+
+TEST_CASE("cuda_fused matches the reference: token counts") {
+  for (mr::dtype t : both_types)
+    for (int m : {0, 1, 7, 1000}) check_case({m, 8, 2, odd_h, odd_i}, t);
+}
+
+TEST_CASE("cuda_fused matches the reference: experts and top-k") {
+  for (mr::dtype t : both_types) {
+    check_case({1000, 8, 1, odd_h, odd_i}, t);
+    check_case({7, 64, 2, odd_h, odd_i}, t);     // most experts get no tokens
+    check_case({1000, 64, 8, odd_h, odd_i}, t);
+    check_case({1000, 256, 8, odd_h, odd_i}, t);  // more M tiles than resident CTAs
+    check_case({1, 256, 8, odd_h, odd_i}, t);
+    check_case({7, 8, 8, 64, 8}, t);              // k = E; H and I below every tile
+  }
+}
+
+TEST_CASE("cuda_fused matches the reference: routing shapes") {
+  for (mr::dtype t : both_types) {
+    check_case({1000, 8, 1, odd_h, odd_i}, t, {.ids = ids_kind::one_expert});  // 8 M tiles of one expert
+    check_case({300, 8, 2, odd_h, odd_i}, t, {.ids = ids_kind::one_expert});
+    check_case({1000, 64, 8, odd_h, odd_i}, t, {.ids = ids_kind::filtered});
+    check_case({7, 8, 2, odd_h, odd_i}, t, {.ids = ids_kind::filtered});
+    check_case({300, 64, 2, odd_h, odd_i}, t, {.ids = ids_kind::few_experts});
+  }
+}
+
+TEST_CASE("cuda_fused matches the reference: long K loops and full tiles") {
+  for (mr::dtype t : both_types) {
+    check_case({64, 4, 2, 1024, 512}, t);
+    check_case({200, 8, 2, 256, 128}, t, {.act = mr::activation_kind::gelu});
+  }
+}
+
+TEST_CASE("cuda_fused matches the reference: activations") {
+  for (mr::dtype t : both_types) {
+    check_case({100, 8, 2, odd_h, odd_i}, t, {.act = mr::activation_kind::gelu});
+    // A small limit makes the clamp bite on many gate and up values.
+    check_case({100, 8, 2, odd_h, odd_i}, t, {.act = mr::activation_kind::swiglu_clamped, .limit = 0.75f});
+    check_case({100, 8, 2, odd_h, odd_i}, t, {.act = mr::activation_kind::swiglu_clamped});
+    check_case({129, 8, 2, 136, 40}, t, {.gated = false});
+    check_case({129, 8, 2, odd_h, odd_i}, t, {.act = mr::activation_kind::gelu, .gated = false});
+  }
+}
+
+TEST_CASE("cuda_fused matches the reference: router weight, scaling, combine modes") {
+  for (mr::dtype t : both_types) {
+    check_case({33, 8, 2, odd_h, odd_i}, t, {.no_combine = true});
+    check_case({33, 8, 2, odd_h, odd_i}, t, {.ids = ids_kind::filtered, .no_combine = true, .scaling = 2.5f});
+    check_case({100, 8, 2, odd_h, odd_i}, t, {.scaling = 2.5f});
+    check_case({100, 8, 2, odd_h, odd_i}, t, {.scaling = 2.5f, .scaling_in_weights = true});
+    check_case({100, 8, 1, odd_h, odd_i}, t, {.weight_on_input = true});
+    check_case({100, 8, 1, odd_h, odd_i}, t, {.act = mr::activation_kind::gelu, .gated = false, .weight_on_input = true});
+    check_case({50, 8, 2, odd_h, odd_i}, t, {.inplace = true});
+  }
+}
+
+TEST_CASE("cuda_fused keeps a NaN inside its token") {
+  for (mr::dtype t : both_types) {
+    for (tuning tu : tunings()) {
+      const unsigned seed = std::random_device{}();
+      CAPTURE(seed);
+      std::mt19937 rng(seed);
+      const int bad = 21;
+      problem p({64, 8, 2, odd_h, odd_i}, t, {.nan_token = bad}, rng);
+      CAPTURE(describe(p.s, t, p.opt, tu));
+      on_device g(p, tu);
+      g.fill_out(0x5a);  // a finite poison, so that NaN can only come from the computation
+      g.launch(p, nullptr);
+      MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      const host_tensor got = g.result(p);
+      double num = 0.0, den = 0.0;
+      for (std::int64_t tok = 0; tok < p.s.m; ++tok) {
+        std::int64_t nans = 0;
+        for (int c = 0; c < p.s.h; ++c) {
+          const std::int64_t i = tok * p.s.h + c;
+          const double a = mr::test::element(got.view, i), b = mr::test::element(p.ref.view, i);
+          if (std::isnan(a)) ++nans;
+          else if (tok != bad) num += (a - b) * (a - b), den += b * b;
+        }
+        // Every output element of the bad token mixes its NaN row; no other token sees it.
+        CHECK_MESSAGE(nans == (tok == bad ? p.s.h : 0), "token ", tok, " has ", nans, " NaNs");
+      }
+      CHECK(std::sqrt(num / den) <= bound_for(t));
+    }
+  }
+}
+
+TEST_CASE("cuda_fused is deterministic and replays from a CUDA graph") {
+  std::mt19937 rng(std::random_device{}());
+  problem p({257, 16, 4, odd_h, odd_i}, mr::dtype::bf16, {}, rng);
+  on_device g(p, tuning::automatic);
+  g.fill_out(0xff);
+  g.launch(p, nullptr);
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  const host_tensor first = g.result(p);
+  compare(p, first);
+  for (int r = 0; r < 10; ++r) {
+    g.fill_out(0xff);
+    g.launch(p, nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    REQUIRE(std::memcmp(first.view.data, g.result(p).view.data, first.view.bytes()) == 0);
+  }
+  cudaStream_t s = nullptr;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  g.launch(p, s);
+  MOE_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int r = 0; r < 3; ++r) {
+    g.fill_out(0xff);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    CHECK(std::memcmp(first.view.data, g.result(p).view.data, first.view.bytes()) == 0);
+  }
+  MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  MOE_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+namespace {
+
+// Device tensors of a given config, filled with 0x3c bytes (finite in bf16 and f16); the
+// caller bends one argument and expects the run to be refused with the output untouched.
+struct raw_setup {
+  mr::MoeRunnerConfig cfg;
+  mr::dtype x_type, w_type;
+  device_buffer x, w13, w2, wt, id, out, ws;
+  std::optional<runner_t> runner;
+
+  raw_setup(int h, int i, mr::dtype xt, mr::dtype wt_type)
+      : cfg(mr::moe_config_params{.num_experts = 4, .hidden_size = h, .intermediate_size = i, .top_k = 2}),
+        x_type(xt),
+        w_type(wt_type),
+        x(4 * h * mr::dtype_size(xt) + 64),
+        w13(4 * cfg.w13_rows() * h * mr::dtype_size(wt_type) + 64),
+        w2(4 * h * i * mr::dtype_size(wt_type) + 64),
+        wt(4 * 2 * 4),
+        id(4 * 2 * 4),
+        out(4 * h * mr::dtype_size(xt)) {
+    runner.emplace("cuda_fused", cfg);
+    ws = device_buffer(runner->workspace_bytes(4));
+    for (device_buffer* b : {&x, &w13, &w2, &wt}) MOE_CUDA_CHECK(cudaMemset(b->get(), 0x3c, b->bytes()));
+    MOE_CUDA_CHECK(cudaMemset(id.get(), 0, id.bytes()));
+    MOE_CUDA_CHECK(cudaMemset(out.get(), 0x5a, out.bytes()));
+  }
+
+  // Runs with each pointer offset by the given number of bytes.
+  void run(std::size_t x_off = 0, std::size_t w13_off = 0, std::size_t w2_off = 0) {
+    const auto dev = mr::memory_space::device;
+    const auto h = cfg.hidden_size(), i = cfg.intermediate_size();
+    mr::DispatchOutput d{mr::tensor_view::contiguous(static_cast<char*>(x.get()) + x_off, x_type, {4, h}, dev), {},
+                         {mr::tensor_view::contiguous(wt.get(), mr::dtype::f32, {4, 2}, dev),
+                          mr::tensor_view::contiguous(id.get(), mr::dtype::i32, {4, 2}, dev)}};
+    mr::unquantized_quant_info q{
+        mr::tensor_view::contiguous(static_cast<char*>(w13.get()) + w13_off, w_type, {4, cfg.w13_rows(), h}, dev),
+        mr::tensor_view::contiguous(static_cast<char*>(w2.get()) + w2_off, w_type, {4, h, i}, dev)};
+    const auto o = mr::tensor_view::contiguous(out.get(), x_type, {4, h}, dev);
+    runner->run(d, q, o, {ws.get(), ws.bytes()}, cuda::stream_ref(cudaStream_t{}));
+  }
+
+  void require_untouched() {
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    for (unsigned char b : out.download<unsigned char>(out.bytes())) REQUIRE(b == 0x5a);
+  }
+};
+
+template <class E>
+void expect_refusal(raw_setup& s, const char* phrase, std::size_t x_off = 0, std::size_t w13_off = 0,
+                    std::size_t w2_off = 0) {
+  CAPTURE(phrase);
+  try {
+    s.run(x_off, w13_off, w2_off);
+    FAIL("the run was accepted");
+  } catch (const E& e) {
+    CHECK_MESSAGE(std::string(e.what()).find(phrase) != std::string::npos, e.what());
+  }
+  s.require_untouched();
+}
+
+}  // namespace
+
+TEST_CASE("cuda_fused refuses what it cannot run, with a clear error, writing nothing") {
+  SUBCASE("f32 activations") {
+    raw_setup s(64, 32, mr::dtype::f32, mr::dtype::f32);
+    expect_refusal<mr::unsupported_error>(s, "bf16 or f16");
+  }
+  SUBCASE("weights of another dtype") {
+    raw_setup s(64, 32, mr::dtype::bf16, mr::dtype::f16);
+    expect_refusal<mr::invalid_argument_error>(s, "dtype of hidden_states");
+  }
+  SUBCASE("hidden_size not a multiple of 8") {
+    raw_setup s(100, 32, mr::dtype::bf16, mr::dtype::bf16);
+    expect_refusal<mr::invalid_argument_error>(s, "hidden_size must be a multiple of 8");
+  }
+  SUBCASE("intermediate_size not a multiple of 8") {
+    raw_setup s(64, 36, mr::dtype::f16, mr::dtype::f16);
+    expect_refusal<mr::invalid_argument_error>(s, "intermediate_size must be a multiple of 8");
+  }
+  SUBCASE("misaligned pointers") {
+    raw_setup s(64, 32, mr::dtype::bf16, mr::dtype::bf16);
+    expect_refusal<mr::invalid_argument_error>(s, "hidden_states must be 16-byte aligned", 8, 0, 0);
+    expect_refusal<mr::invalid_argument_error>(s, "w13 must be 16-byte aligned", 0, 2, 0);
+    expect_refusal<mr::invalid_argument_error>(s, "w2 must be 16-byte aligned", 0, 0, 4);
+  }
+  SUBCASE("a tuning newer than the device") {
+    int device = 0, major = 0;
+    MOE_CUDA_CHECK(cudaGetDevice(&device));
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    if (major < 9) {
+      raw_setup s(64, 32, mr::dtype::bf16, mr::dtype::bf16);
+      s.runner->visit([](auto& core) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>)
+          core.set_gemm_tuning(tuning::sm90);
+      });
+      expect_refusal<mr::unsupported_error>(s, "needs sm_90");
+    }
+  }
+  SUBCASE("the same runner still runs after refusals") {
+    raw_setup s(64, 32, mr::dtype::bf16, mr::dtype::bf16);
+    expect_refusal<mr::invalid_argument_error>(s, "hidden_states must be 16-byte aligned", 8, 0, 0);
+    s.run();
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    std::int64_t written = 0;
+    for (std::uint16_t v : s.out.download<std::uint16_t>(4 * 64)) written += v != 0x5a5a;
+    CHECK(written == 4 * 64);
+  }
+}
+
+int main(int argc, char** argv) {
+  if (!mr::test::have_gpu()) {
+    std::puts("no GPU: skipping the cuda_fused tests");
+    return mr::test::skip_exit_code;
+  }
+  doctest::Context ctx;
+  ctx.applyCommandLine(argc, argv);
+  return ctx.run();
+}
