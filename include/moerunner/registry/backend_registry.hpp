@@ -81,7 +81,7 @@ class backend_registry {
     raise_deferred_locked();
     if (is_builtin_name(name)) return backend_id(name);
     if (find_locked(name)) return backend_id(name);
-    std::string msg = "unknown MoE runner backend '" + std::string(name) +
+    std::string msg = "unknown MoE runner backend '" + escaped(name) +
                       "': neither built in nor registered; known backends: " + known_names_locked();
     if (auto problem = backend_name_problem(name); !problem.empty()) msg += " (" + std::string(problem) + ")";
     throw registry_error(msg);
@@ -158,6 +158,24 @@ class backend_registry {
     std::string msg = "backend registration failed during static initialization:";
     for (const auto& e : deferred_errors_) msg += "\n  " + e;
     throw registry_error(msg);
+  }
+
+  // An unknown name comes from outside (a command line, a config file): control and
+  // non-ASCII bytes are shown as \xNN so that a NUL cannot cut what() short.
+  static std::string escaped(std::string_view name) {
+    std::string s;
+    for (char c : name) {
+      const auto u = static_cast<unsigned char>(c);
+      if (u >= 0x20 && u < 0x7f) {
+        s += c;
+      } else {
+        constexpr char digits[] = "0123456789abcdef";
+        s += "\\x";
+        s += digits[u >> 4];
+        s += digits[u & 15];
+      }
+    }
+    return s;
   }
 
   static std::string builtin_names() {
