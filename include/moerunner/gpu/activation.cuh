@@ -56,6 +56,8 @@ inline void gated_activation(const void* in, void* out, dtype t, int intermediat
   MOE_EXPECT(gated || act.kind != activation_kind::swiglu_clamped, where, "swiglu_clamped needs gated = true");
   if (plan.num_tokens == 0) return;
   MOE_EXPECT(in != nullptr && out != nullptr, where, "in and out must not be null");
+  MOE_EXPECT(reinterpret_cast<std::uintptr_t>(in) % 2 == 0 && reinterpret_cast<std::uintptr_t>(out) % 2 == 0, where,
+             "in and out must be 2-byte aligned");
   if (t == dtype::bf16) activation_launch::launch_vec<__nv_bfloat16>(in, out, intermediate_size, gated, act, plan, stream);
   else activation_launch::launch_vec<__half>(in, out, intermediate_size, gated, act, plan, stream);
   MOE_CUDA_CHECK_LAUNCH("gpu::gated_activation");

@@ -85,6 +85,9 @@ inline void combine_rows(const void* rows, dtype t, const routing_plan& plan, co
   MOE_EXPECT(hidden >= 1, where, "out must have at least one column, got shape " + out.shape_string());
   if (plan.num_tokens == 0) return;
   MOE_EXPECT(rows != nullptr, where, "rows is null");
+  MOE_EXPECT(reinterpret_cast<std::uintptr_t>(rows) % 2 == 0, where, "rows must be 2-byte aligned");
+  check::aligned(out, dtype_size(out.type), where, "out");
+  MOE_EXPECT(reinterpret_cast<std::uintptr_t>(topk_weights) % 4 == 0, where, "topk_weights must be 4-byte aligned");
   const combine_launch::args a{rows, out.data, hidden, &plan, topk_weights, scale, no_combine};
   if (t == dtype::bf16) combine_launch::launch_out<__nv_bfloat16>(a, out.type, stream);
   else combine_launch::launch_out<__half>(a, out.type, stream);

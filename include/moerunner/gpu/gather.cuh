@@ -46,12 +46,15 @@ inline void gather_rows(const tensor_view& x, const routing_plan& plan, void* ro
   MOE_EXPECT(x.shape[1] >= 1, where, "x must have at least one column, got shape " + x.shape_string());
   if (plan.num_tokens == 0) return;
   MOE_EXPECT(rows != nullptr, where, "rows is null");
+  const std::size_t elem = dtype_size(x.type);
+  MOE_EXPECT(reinterpret_cast<std::uintptr_t>(x.data) % elem == 0 && reinterpret_cast<std::uintptr_t>(rows) % elem == 0,
+             where, "x and rows must be aligned to their element size (" + std::to_string(elem) + " bytes)");
   const std::int64_t row_bytes = x.shape[1] * static_cast<std::int64_t>(dtype_size(x.type));
   const bool wide = row_bytes % 16 == 0 && reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0 &&
                     reinterpret_cast<std::uintptr_t>(rows) % 16 == 0;
   if (wide) gather_launch::launch<uint4>(x, plan, rows, row_bytes, stream);
-  else if (dtype_size(x.type) == 4) gather_launch::launch<std::uint32_t>(x, plan, rows, row_bytes, stream);
-  else if (dtype_size(x.type) == 2) gather_launch::launch<std::uint16_t>(x, plan, rows, row_bytes, stream);
+  else if (elem == 4) gather_launch::launch<std::uint32_t>(x, plan, rows, row_bytes, stream);
+  else if (elem == 2) gather_launch::launch<std::uint16_t>(x, plan, rows, row_bytes, stream);
   else gather_launch::launch<std::uint8_t>(x, plan, rows, row_bytes, stream);
   MOE_CUDA_CHECK_LAUNCH("gpu::gather_rows");
 }

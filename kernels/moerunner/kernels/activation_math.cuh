@@ -12,8 +12,9 @@ namespace moerunner::kernels {
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
-// Exact (erf) GELU, as the reference defines it.
-__device__ __forceinline__ float gelu(float g) { return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)); }
+// Exact (erf) GELU, as the reference defines it; erfc(-x) = 1 + erf(x) without the cancellation
+// that costs 1 + erff its relative accuracy for negative inputs.
+__device__ __forceinline__ float gelu(float g) { return 0.5f * g * erfcf(-g * 0.70710678118654752f); }
 
 // Comparisons written as std::min/std::clamp do, so a NaN input stays NaN (fminf would drop it).
 __device__ __forceinline__ float swiglu_clamped(float gate, float up, float alpha, float limit) {

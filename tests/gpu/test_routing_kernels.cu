@@ -1,0 +1,451 @@
+// The routing kernel against reference::topk (ids and weights bit for bit), the routing
+// plan against a host counting sort, and both captured in a CUDA graph and replayed.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "gpu_test_util.hpp"
+#include "moerunner/gpu/permute.cuh"
+#include "moerunner/gpu/routing.cuh"
+#include "moerunner/reference/routing.hpp"
+#include "plan_test_util.hpp"
+
+namespace mr = moerunner;
+using mr::test::device_buffer;
+using mr::test::device_tensor;
+using mr::test::host_tensor;
+
+namespace {
+
+enum class logit_data { random, ties, nonfinite };
+
+struct routing_case {
+  std::int64_t m = 0;
+  int e = 0;
+  mr::topk_config cfg;
+  mr::dtype type = mr::dtype::f32;
+  bool bias = false;
+  logit_data data = logit_data::random;
+
+  std::string str() const {
+    return "M=" + std::to_string(m) + " E=" + std::to_string(e) + " k=" + std::to_string(cfg.top_k) + " " +
+           std::string(mr::dtype_name(type)) + (cfg.scoring == mr::scoring_func::softmax ? " softmax" : " sigmoid") +
+           (bias ? " bias" : "") + (cfg.renormalize ? " renorm" : "") +
+           (cfg.num_expert_group ? " groups=" + std::to_string(cfg.num_expert_group) + "/" +
+                                       std::to_string(cfg.topk_group)
+                                 : "") +
+           (cfg.apply_routed_scaling_factor_on_weights ? " scaled=" + std::to_string(cfg.routed_scaling_factor) : "") +
+           " data=" + std::to_string(static_cast<int>(data));
+  }
+};
+
+host_tensor make_logits(const routing_case& c, std::mt19937& rng) {
+  host_tensor t(c.type, {c.m, c.e});
+  mr::test::fill_random(t, rng, 4.0f);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  if (c.data == logit_data::ties)  // multiples of 0.5 in [-4, 4]: 17 values, so many exact ties
+    for (std::int64_t i = 0; i < t.numel(); ++i)
+      mr::test::set_element(t.view, i, std::round(mr::test::element(t.view, i) * 2.0f) / 2.0f);
+  if (c.data == logit_data::nonfinite) {
+    std::uniform_int_distribution<int> col(0, c.e - 1);
+    for (std::int64_t tok = 0; tok < c.m; ++tok) {
+      const std::int64_t row = tok * c.e;
+      switch (tok % 5) {
+        case 0: for (int n = 0; n < 3; ++n) mr::test::set_element(t.view, row + col(rng), nan); break;
+        case 1: for (int i = 0; i < c.e; ++i) mr::test::set_element(t.view, row + i, nan); break;
+        case 2: mr::test::set_element(t.view, row + col(rng), inf); break;
+        case 3: for (int i = 0; i < c.e; i += 2) mr::test::set_element(t.view, row + i, -inf); break;
+        default: break;  // finite row between the others
+      }
+    }
+  }
+  return t;
+}
+
+host_tensor make_bias(const routing_case& c, std::mt19937& rng) {
+  host_tensor b(mr::dtype::f32, {c.e});
+  mr::test::fill_random(b, rng, 0.5f);
+  if (c.data == logit_data::ties)
+    for (int i = 0; i < c.e; ++i) b.view.ptr<float>()[i] = std::round(b.view.ptr<float>()[i] * 4.0f) / 4.0f;
+  return b;
+}
+
+bool same_weight(float a, float b) {
+  return (std::isnan(a) && std::isnan(b)) || std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
+}
+
+// Device topk on fresh data, outputs poisoned first, against reference::topk bit for bit.
+void check_routing(const routing_case& c, std::mt19937& rng) {
+  CAPTURE(c.str());
+  const int k = c.cfg.top_k;
+  host_tensor logits = make_logits(c, rng);
+  host_tensor bias = make_bias(c, rng);
+  host_tensor ref_w(mr::dtype::f32, {c.m, k}), ref_ids(mr::dtype::i32, {c.m, k});
+  mr::TopKOutput ref{ref_w.view, ref_ids.view};
+  mr::reference::topk(logits.view, c.bias ? &bias.view : nullptr, c.cfg, ref);
+
+  device_tensor d_logits(logits), d_bias(bias);
+  device_buffer w_buf(ref_w.view.bytes()), id_buf(ref_ids.view.bytes());
+  w_buf.poison(0x5a);
+  id_buf.poison(0x5a);
+  mr::TopKOutput out{mr::tensor_view::contiguous(w_buf.get(), mr::dtype::f32, {c.m, k}, mr::memory_space::device),
+                     mr::tensor_view::contiguous(id_buf.get(), mr::dtype::i32, {c.m, k}, mr::memory_space::device)};
+  mr::gpu::topk(d_logits.view, c.bias ? &d_bias.view : nullptr, c.cfg, out, nullptr);
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  CHECK(out.routed_scaling_applied == ref.routed_scaling_applied);
+
+  const auto w = w_buf.download<float>(static_cast<std::size_t>(c.m) * k);
+  const auto ids = id_buf.download<std::int32_t>(static_cast<std::size_t>(c.m) * k);
+  int mismatches = 0;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const float rw = ref_w.view.ptr<float>()[i];
+    const std::int32_t rid = ref_ids.view.ptr<std::int32_t>()[i];
+    if (ids[i] == rid && same_weight(w[i], rw)) continue;
+    if (++mismatches <= 5)
+      MESSAGE("token " << i / k << " slot " << i % k << ": gpu (" << ids[i] << ", " << w[i] << ") reference (" << rid
+                       << ", " << rw << ")");
+  }
+  CHECK(mismatches == 0);
+}
+
+constexpr mr::dtype logit_types[] = {mr::dtype::f32, mr::dtype::bf16, mr::dtype::f16};
+
+}  // namespace
+
+TEST_CASE("topk: ids and weights are bit-identical to the reference over E, k, M, scoring and data") {
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  int n = 0;
+  for (int e : {8, 60, 128, 256, 512})
+    for (int k : {1, 2, 6, 8, 16}) {
+      if (k > e) continue;
+      for (std::int64_t m : {0, 1, 7, 1000})
+        for (auto scoring : {mr::scoring_func::softmax, mr::scoring_func::sigmoid}) {
+          routing_case c;
+          c.m = m;
+          c.e = e;
+          c.cfg.top_k = k;
+          c.cfg.scoring = scoring;
+          c.bias = (n / 2) % 2 == 1;
+          c.cfg.renormalize = (n / 4) % 2 == 0;
+          c.cfg.apply_routed_scaling_factor_on_weights = n % 3 == 0;
+          c.cfg.routed_scaling_factor = c.cfg.apply_routed_scaling_factor_on_weights ? 2.5f : 1.0f;
+          c.type = logit_types[n % 3];
+          c.data = static_cast<logit_data>((n / 3) % 3);
+          ++n;
+          check_routing(c, rng);
+        }
+    }
+}
+
+TEST_CASE("topk: grouped selection (DeepSeek-V3 and other group shapes) matches the reference bit for bit") {
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  struct group_shape {
+    int e, groups, keep, k;
+    mr::scoring_func scoring;
+    bool bias;
+  };
+  const group_shape shapes[] = {
+      {256, 8, 4, 8, mr::scoring_func::sigmoid, true},    // DeepSeek-V3
+      {256, 8, 4, 8, mr::scoring_func::softmax, false},
+      {128, 4, 2, 8, mr::scoring_func::softmax, false},
+      {60, 3, 1, 6, mr::scoring_func::sigmoid, true},     // 3 groups of 20: 8 lanes per group
+      {60, 20, 5, 8, mr::scoring_func::softmax, true},    // 20 groups of 3: one lane per group
+      {60, 30, 4, 8, mr::scoring_func::sigmoid, true},    // groups of 2
+      {8, 8, 3, 2, mr::scoring_func::sigmoid, true},      // groups of 1: the bias sum has no second key
+      {8, 2, 1, 2, mr::scoring_func::softmax, true},
+      {512, 32, 4, 16, mr::scoring_func::sigmoid, true},  // 32 groups of 16
+      {512, 2, 1, 16, mr::scoring_func::softmax, false},  // one lane group of 16 scanning 256 experts
+      {512, 16, 16, 8, mr::scoring_func::sigmoid, true},  // every group kept
+  };
+  int n = 0;
+  for (const auto& s : shapes)
+    for (std::int64_t m : {1, 7, 1000})
+      for (logit_data data : {logit_data::random, logit_data::ties, logit_data::nonfinite}) {
+        routing_case c;
+        c.m = m;
+        c.e = s.e;
+        c.cfg.top_k = s.k;
+        c.cfg.scoring = s.scoring;
+        c.cfg.num_expert_group = s.groups;
+        c.cfg.topk_group = s.keep;
+        c.cfg.renormalize = n % 4 != 3;
+        c.cfg.apply_routed_scaling_factor_on_weights = n % 2 == 0;
+        c.cfg.routed_scaling_factor = 2.5f;
+        c.bias = s.bias;
+        c.type = logit_types[n % 3];
+        c.data = data;
+        ++n;
+        check_routing(c, rng);
+      }
+}
+
+TEST_CASE("topk: M = 0 launches nothing and still reports the scaling") {
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreate(&stream));
+  mr::topk_config cfg{.top_k = 2, .apply_routed_scaling_factor_on_weights = true};
+  const auto logits = mr::tensor_view::contiguous(nullptr, mr::dtype::bf16, {0, 8}, mr::memory_space::device);
+  mr::TopKOutput out{mr::tensor_view::contiguous(nullptr, mr::dtype::f32, {0, 2}, mr::memory_space::device),
+                     mr::tensor_view::contiguous(nullptr, mr::dtype::i32, {0, 2}, mr::memory_space::device)};
+  cudaGraph_t graph;
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  mr::gpu::topk(logits, nullptr, cfg, out, stream);
+  MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  std::size_t nodes = 99;
+  MOE_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+  CHECK(nodes == 0);
+  CHECK(out.routed_scaling_applied);
+  MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  MOE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("topk: bad arguments throw and write nothing") {
+  std::mt19937 rng(7);
+  host_tensor logits(mr::dtype::f32, {4, 16});
+  mr::test::fill_random(logits, rng);
+  device_tensor d_logits(logits);
+  device_buffer w_buf(4 * 4 * 4), id_buf(4 * 4 * 4);
+  w_buf.poison(0x5a);
+  id_buf.poison(0x5a);
+  auto out_for = [&](int k) {
+    return mr::TopKOutput{
+        mr::tensor_view::contiguous(w_buf.get(), mr::dtype::f32, {4, k}, mr::memory_space::device),
+        mr::tensor_view::contiguous(id_buf.get(), mr::dtype::i32, {4, k}, mr::memory_space::device)};
+  };
+  mr::TopKOutput out = out_for(4);
+  CHECK_THROWS_AS(mr::gpu::topk(logits.view, nullptr, {.top_k = 4}, out, nullptr), mr::invalid_argument_error);
+  CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 0}, out, nullptr), mr::invalid_argument_error);
+  mr::TopKOutput wrong_k = out_for(3);
+  CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 4}, wrong_k, nullptr), mr::invalid_argument_error);
+  CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 4, .num_expert_group = 3, .topk_group = 1}, out,
+                                nullptr),
+                  mr::invalid_argument_error);
+  host_tensor wide(mr::dtype::f32, {1, 513});
+  mr::test::fill_random(wide, rng);
+  device_tensor d_wide(wide);
+  CHECK_THROWS_AS(mr::gpu::topk(d_wide.view, nullptr, {.top_k = 4}, out, nullptr), mr::invalid_argument_error);
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  for (unsigned char b : w_buf.download<unsigned char>(w_buf.bytes())) REQUIRE(b == 0x5a);
+  for (unsigned char b : id_buf.download<unsigned char>(id_buf.bytes())) REQUIRE(b == 0x5a);
+}
+
+namespace {
+
+void check_plan(const mr::test::device_plan& d, const std::vector<std::int32_t>& ids, int num_experts) {
+  const mr::test::expected_plan want = mr::test::expect_plan(ids, num_experts);
+  CHECK(d.offsets() == want.offsets);
+  CHECK(d.row_to_slot() == want.row_to_slot);
+  CHECK(d.slot_to_row() == want.slot_to_row);
+  CHECK(mr::gpu::read_plan_error(d.plan, nullptr) == (want.bad_id ? 1 : 0));
+}
+
+enum class id_pattern { random, filtered, one_expert, two_experts, bad_ids };
+
+std::vector<std::int32_t> make_ids(std::int64_t m, int k, int num_experts, id_pattern p, std::mt19937& rng) {
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(m) * k);
+  std::uniform_int_distribution<int> expert(0, num_experts - 1);
+  std::uniform_int_distribution<int> pct(0, 99);
+  for (auto& id : ids) {
+    switch (p) {
+      case id_pattern::random: id = expert(rng); break;
+      case id_pattern::filtered: id = pct(rng) < 20 ? -1 : expert(rng); break;
+      case id_pattern::one_expert: id = num_experts - 1; break;
+      case id_pattern::two_experts: id = pct(rng) < 50 ? num_experts / 3 : num_experts - 1; break;
+      case id_pattern::bad_ids: {
+        const int r = pct(rng);
+        id = r < 3 ? num_experts : r < 5 ? -2 : r < 6 ? (1 << 30) : r < 15 ? -1 : expert(rng);
+        break;
+      }
+    }
+  }
+  return ids;
+}
+
+}  // namespace
+
+TEST_CASE("routing plan: counts, offsets, stable order and inverse match a host counting sort") {
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  struct size_case {
+    std::int64_t m;
+    int k, e;
+  };
+  // Slot counts straddle every kernel variant: 256, 1024 and 4096 (one block) and tiles of 1024.
+  const size_case sizes[] = {{0, 2, 8},    {1, 1, 1},     {1, 8, 256},   {7, 2, 8},     {128, 2, 60},
+                             {129, 2, 60}, {512, 2, 128}, {1000, 1, 8},  {64, 16, 512}, {513, 8, 256},
+                             {512, 8, 1024}, {4097, 1, 3}, {1000, 6, 60}, {3000, 8, 512}, {16384, 8, 256},
+                             {16384, 8, 1024}};
+  for (const auto& s : sizes)
+    for (id_pattern p : {id_pattern::random, id_pattern::filtered, id_pattern::one_expert, id_pattern::two_experts,
+                         id_pattern::bad_ids}) {
+      CAPTURE(s.m);
+      CAPTURE(s.k);
+      CAPTURE(s.e);
+      CAPTURE(static_cast<int>(p));
+      const auto ids = make_ids(s.m, s.k, s.e, p, rng);
+      mr::test::device_plan d(ids, s.m, s.k, s.e);
+      check_plan(d, ids, s.e);
+    }
+}
+
+TEST_CASE("routing plan: the build clears the error flag a bad batch set") {
+  std::mt19937 rng(11);
+  for (std::int64_t m : {100, 2000}) {  // one block, then tiles
+    const int k = 4, e = 16;
+    auto ids = make_ids(m, k, e, id_pattern::random, rng);
+    ids[ids.size() / 2] = e;
+    mr::test::device_plan d(ids, m, k, e);
+    CHECK(mr::gpu::read_plan_error(d.plan, nullptr) == 1);
+    ids[ids.size() / 2] = -1;
+    d.ids.upload(ids);
+    d.plan = mr::gpu::build_routing_plan(d.ids_view(m, k), e, d.workspace.get(), d.workspace.bytes(), nullptr);
+    check_plan(d, ids, e);
+  }
+}
+
+TEST_CASE("routing plan: bad arguments throw and write nothing") {
+  const int e = 8;
+  const std::int64_t m = 4;
+  const int k = 2;
+  device_buffer ids(m * k * 4), ws(mr::gpu::routing_plan_bytes(m, k, e) + 256);
+  ids.poison(0);
+  ws.poison(0x5a);
+  const auto view = mr::tensor_view::contiguous(ids.get(), mr::dtype::i32, {m, k}, mr::memory_space::device);
+  const std::size_t need = mr::gpu::routing_plan_bytes(m, k, e);
+  auto build = [&](const mr::tensor_view& v, int experts, void* w, std::size_t bytes) {
+    return mr::gpu::build_routing_plan(v, experts, w, bytes, nullptr);
+  };
+  auto f32_view = view;
+  f32_view.type = mr::dtype::f32;
+  auto host_view = view;
+  host_view.space = mr::memory_space::host;
+  const auto flat = mr::tensor_view::contiguous(ids.get(), mr::dtype::i32, {m * k}, mr::memory_space::device);
+  CHECK_THROWS_AS(build(f32_view, e, ws.get(), need), mr::invalid_argument_error);
+  CHECK_THROWS_AS(build(host_view, e, ws.get(), need), mr::invalid_argument_error);
+  CHECK_THROWS_AS(build(flat, e, ws.get(), need), mr::invalid_argument_error);
+  CHECK_THROWS_AS(build(view, 0, ws.get(), need), mr::invalid_argument_error);
+  CHECK_THROWS_AS(build(view, mr::gpu::plan_max_experts + 1, ws.get(), ws.bytes()), mr::invalid_argument_error);
+  CHECK_THROWS_AS(build(view, e, ws.get(), need - 1), mr::invalid_argument_error);
+  CHECK_THROWS_AS(build(view, e, static_cast<char*>(ws.get()) + 4, need), mr::invalid_argument_error);
+  CHECK_THROWS_AS(build(view, e, nullptr, need), mr::invalid_argument_error);
+  CHECK_THROWS_AS(mr::gpu::routing_plan_bytes(-1, k, e), mr::invalid_argument_error);
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  for (unsigned char b : ws.download<unsigned char>(ws.bytes())) REQUIRE(b == 0x5a);
+}
+
+TEST_CASE("topk and routing plan captured in a CUDA graph replay to the same bits") {
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  struct graph_case {
+    std::int64_t m;
+    int e, k, groups, keep;
+    mr::scoring_func scoring;
+    bool bias;
+  };
+  const graph_case cases[] = {{7, 256, 8, 8, 4, mr::scoring_func::sigmoid, true},
+                              {1000, 128, 8, 0, 0, mr::scoring_func::softmax, false},
+                              {600, 64, 8, 0, 0, mr::scoring_func::softmax, true}};  // 4800 slots: tiled plan
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (const auto& g : cases) {
+    CAPTURE(g.m);
+    routing_case c;
+    c.m = g.m;
+    c.e = g.e;
+    c.cfg = {.top_k = g.k, .scoring = g.scoring, .num_expert_group = g.groups, .topk_group = g.keep};
+    c.type = mr::dtype::bf16;
+    c.bias = g.bias;
+    host_tensor logits = make_logits(c, rng);
+    host_tensor bias = make_bias(c, rng);
+    device_tensor d_logits(logits), d_bias(bias);
+    const std::size_t slots = static_cast<std::size_t>(g.m) * g.k;
+    device_buffer w_buf(slots * 4), id_buf(slots * 4), ws(mr::gpu::routing_plan_bytes(g.m, g.k, g.e));
+    mr::TopKOutput out{
+        mr::tensor_view::contiguous(w_buf.get(), mr::dtype::f32, {g.m, g.k}, mr::memory_space::device),
+        mr::tensor_view::contiguous(id_buf.get(), mr::dtype::i32, {g.m, g.k}, mr::memory_space::device)};
+    mr::gpu::routing_plan plan;
+    auto run = [&] {
+      mr::gpu::topk(d_logits.view, g.bias ? &d_bias.view : nullptr, c.cfg, out, stream);
+      plan = mr::gpu::build_routing_plan(out.topk_ids, g.e, ws.get(), ws.bytes(), stream);
+    };
+    auto snapshot = [&] {
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<unsigned char> all = w_buf.download<unsigned char>(w_buf.bytes());
+      const auto ids = id_buf.download<unsigned char>(id_buf.bytes());
+      const auto plan_bytes = ws.download<unsigned char>(ws.bytes());
+      all.insert(all.end(), ids.begin(), ids.end());
+      all.insert(all.end(), plan_bytes.begin(), plan_bytes.end());
+      return all;
+    };
+    auto poison = [&] {
+      w_buf.poison(0x5a);
+      id_buf.poison(0x5a);
+      ws.poison(0x5a);
+    };
+
+    poison();
+    run();
+    const auto direct = snapshot();
+
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    run();
+    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 3; ++replay) {
+      poison();
+      MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      CHECK(snapshot() == direct);
+    }
+
+    // New logits in the same buffers: the replay routes them like the reference does.
+    host_tensor fresh = make_logits(c, rng);
+    MOE_CUDA_CHECK(cudaMemcpy(d_logits.view.data, fresh.view.data, fresh.view.bytes(), cudaMemcpyHostToDevice));
+    poison();
+    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    host_tensor ref_w(mr::dtype::f32, {g.m, g.k}), ref_ids(mr::dtype::i32, {g.m, g.k});
+    mr::TopKOutput ref{ref_w.view, ref_ids.view};
+    mr::reference::topk(fresh.view, g.bias ? &bias.view : nullptr, c.cfg, ref);
+    const auto ids = id_buf.download<std::int32_t>(slots);
+    const auto w = w_buf.download<float>(slots);
+    const std::vector<std::int32_t> want_ids(ref_ids.view.ptr<std::int32_t>(), ref_ids.view.ptr<std::int32_t>() + slots);
+    CHECK(ids == want_ids);
+    for (std::size_t i = 0; i < slots; ++i) REQUIRE(same_weight(w[i], ref_w.view.ptr<float>()[i]));
+    const mr::test::expected_plan want = mr::test::expect_plan(want_ids, g.e);
+    CHECK(mr::test::device_plan::download(plan.expert_offsets, g.e + 1) == want.offsets);
+    CHECK(mr::test::device_plan::download(plan.row_to_slot, slots) == want.row_to_slot);
+    CHECK(mr::test::device_plan::download(plan.slot_to_row, slots) == want.slot_to_row);
+    CHECK(mr::gpu::read_plan_error(plan, stream) == 0);
+
+    MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  MOE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+int main(int argc, char** argv) {
+  if (!mr::test::have_gpu()) {
+    std::puts("no GPU: skipping the routing kernel tests");
+    return mr::test::skip_exit_code;
+  }
+  doctest::Context ctx;
+  ctx.applyCommandLine(argc, argv);
+  return ctx.run();
+}
