@@ -195,12 +195,9 @@ struct on_device {
   }
 };
 
-// Tunings to run on this GPU: its own, and the sm80 one as well on Hopper and later.
+// Tunings to run on this GPU: its own, and the sm80 one as well where sm_90a code runs.
 std::vector<tuning> tunings() {
-  int device = 0, major = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&device));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  if (major >= 9) return {tuning::automatic, tuning::sm80};
+  if (mr::gpu::current_device_facts().code_arch >= 90) return {tuning::automatic, tuning::sm80};
   return {tuning::automatic};
 }
 
@@ -247,12 +244,12 @@ void compare(const problem& p, const host_tensor& got) {
 }
 
 void check_case(const shape& s, mr::dtype t, const options& o = {}) {
+  const unsigned seed = std::random_device{}();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  const problem p(s, t, o, rng);
   for (tuning tu : tunings()) {
-    const unsigned seed = std::random_device{}();
-    CAPTURE(seed);
     CAPTURE(describe(s, t, o, tu));
-    std::mt19937 rng(seed);
-    problem p(s, t, o, rng);
     // A workspace that is not 256-byte aligned: the policy aligns its pieces itself.
     on_device g(p, tu, 8);
     if (!o.inplace) g.fill_out(0xff);
@@ -484,16 +481,13 @@ TEST_CASE("cuda_fused refuses what it cannot run, with a clear error, writing no
     expect_refusal<mr::invalid_argument_error>(s, "w2 must be 16-byte aligned", 0, 0, 4);
   }
   SUBCASE("a tuning newer than the device") {
-    int device = 0, major = 0;
-    MOE_CUDA_CHECK(cudaGetDevice(&device));
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    if (major < 9) {
+    if (mr::gpu::current_device_facts().code_arch < 90) {
       raw_setup s(64, 32, mr::dtype::bf16, mr::dtype::bf16);
       s.runner->visit([](auto& core) {
         if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>)
           core.set_gemm_tuning(tuning::sm90);
       });
-      expect_refusal<mr::unsupported_error>(s, "needs sm_90");
+      expect_refusal<mr::unsupported_error>(s, "needs code compiled for sm_90");
     }
   }
   SUBCASE("the same runner still runs after refusals") {

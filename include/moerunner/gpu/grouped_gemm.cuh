@@ -74,17 +74,36 @@ inline tile_schedule build_tile_schedule(const routing_plan& plan, std::int64_t 
 
 struct device_facts {
   int device = 0;
-  int cc_major = 0;
-  int cc_minor = 0;
+  int arch = 0;       // compute capability as 80, 86, 90, ...
+  int code_arch = 0;  // virtual architecture of the kernel image this device runs
   int sm_count = 0;
 };
 
+// Which of the compiled images the device runs decides what a kernel body holds (each
+// tuning's body exists only in code for its min_arch and newer), so it is asked, not
+// assumed from the compute capability; a device with no matching image fails here,
+// before anything is launched.
+inline int kernel_code_arch(int device) {
+  constexpr int cached_devices = 64;
+  static std::array<std::atomic<int>, cached_devices> cache{};
+  if (device >= 0 && device < cached_devices) {
+    if (const int a = cache[device].load(std::memory_order_relaxed); a > 0) return a;
+  }
+  cudaFuncAttributes attr{};
+  MOE_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernels::moe_tile_schedule_kernel));
+  if (device >= 0 && device < cached_devices) cache[device].store(attr.ptxVersion, std::memory_order_relaxed);
+  return attr.ptxVersion;
+}
+
 inline device_facts current_device_facts() {
   device_facts f;
+  int major = 0, minor = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&f.device));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&f.cc_major, cudaDevAttrComputeCapabilityMajor, f.device));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&f.cc_minor, cudaDevAttrComputeCapabilityMinor, f.device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, f.device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, f.device));
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, f.device));
+  f.arch = major * 10 + minor;
+  f.code_arch = kernel_code_arch(f.device);
   return f;
 }
 
@@ -126,9 +145,10 @@ void launch_moe_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& schedul
   constexpr const char* where = "gpu::launch_moe_gemm";
   constexpr grouped_gemm_tuning tuning = Policy::tuning;
   MOE_EXPECT(schedule.block_m == tuning.block_m, where, "the tile schedule was built for another block_m");
-  MOE_EXPECT(dev.cc_major * 10 + dev.cc_minor >= tuning.min_arch, where,
-             "the grouped GEMM tuning needs sm_" + std::to_string(tuning.min_arch) + " or newer, the device is sm_" +
-                 std::to_string(dev.cc_major * 10 + dev.cc_minor));
+  MOE_EXPECT(dev.code_arch >= tuning.min_arch, where,
+             "the grouped GEMM tuning needs code compiled for sm_" + std::to_string(tuning.min_arch) +
+                 " or newer; this device (sm_" + std::to_string(dev.arch) + ") runs code compiled for sm_" +
+                 std::to_string(dev.code_arch));
   MOE_EXPECT(p.k > 0 && p.k % 8 == 0 && p.n > 0 && p.n % 8 == 0, where,
              "the GEMM's n and k must be positive multiples of 8");
   if (schedule.capacity == 0) return;

@@ -80,9 +80,15 @@ constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
   return "?";
 }
 
-// The selector: the newest tuning the device's compute capability runs.
-constexpr gemm_tuning_choice select_gemm_tuning(int cc_major) {
-  return cc_major >= 9 ? gemm_tuning_choice::sm90 : gemm_tuning_choice::sm80;
+// The selector: the newest tuning the running code was compiled for. `code_arch` is the
+// virtual architecture of the kernel image the device runs (80 for sm_80 code, also when it
+// runs on a newer GPU; 90 for sm_90a), as CUB picks its policies by PTX version.
+constexpr gemm_tuning_choice select_gemm_tuning(int code_arch) {
+  return code_arch >= 90 ? gemm_tuning_choice::sm90 : gemm_tuning_choice::sm80;
+}
+
+constexpr int gemm_tuning_min_arch(gemm_tuning_choice c) {
+  return c == gemm_tuning_choice::sm90 ? sm90_gemm_policy::tuning.min_arch : sm80_gemm_policy::tuning.min_arch;
 }
 
 // One M tile of the grouped GEMM: rows [row_begin, row_end) of expert `expert` in

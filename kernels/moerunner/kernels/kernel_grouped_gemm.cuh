@@ -112,13 +112,15 @@ __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t
                : "r"(addr));
 }
 
+// The mma has no side effects, so it is not volatile: the compiler may interleave it with
+// the (volatile, smem-reading) ldmatrix of the next step.
 template <class T>
 struct mma_16816;
 
 template <>
 struct mma_16816<__nv_bfloat16> {
   __device__ __forceinline__ static void run(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -136,7 +138,7 @@ struct mma_16816<__nv_bfloat16> {
 template <>
 struct mma_16816<__half> {
   __device__ __forceinline__ static void run(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -413,8 +415,11 @@ inline constexpr int compiled_sm = 0;
 // The number of M tiles is only known on the device; the grid never depends on it.
 template <class T, class Policy, moe_gemm_kind Kind>
 __global__ void __launch_bounds__(Policy::tuning.threads()) moe_grouped_gemm_kernel(const moe_gemm_params<T> p) {
-  // A tuning is only compiled for the architectures it was written for (the launch code checks too).
-  if constexpr (compiled_sm >= Policy::tuning.min_arch) {
+  // A tuning is only compiled for the architectures it was written for; the launch code
+  // never starts it elsewhere, and if it did the trap would say so instead of writing nothing.
+  if constexpr (compiled_sm < Policy::tuning.min_arch) {
+    __trap();
+  } else {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* smem = reinterpret_cast<T*>(smem_raw);
     const std::int64_t work = static_cast<std::int64_t>(*p.tile_count) * p.n_tiles;

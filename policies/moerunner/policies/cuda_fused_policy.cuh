@@ -13,7 +13,8 @@
 //      with no_combine.
 // The GEMM grids are persistent and sized from M, k, E only, so no per-expert count ever
 // reaches the host: no allocation and no host synchronization inside a run, which makes it
-// CUDA-graph capturable. The GEMM tuning is picked per device by gpu::select_gemm_tuning.
+// CUDA-graph capturable. The GEMM tuning is picked by gpu::select_gemm_tuning from the
+// architecture of the code the device runs (sm_90a code: the sm90 tuning; sm_80 code: sm80).
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
@@ -111,14 +112,13 @@ class cuda_fused_policy {
 
     const gpu::device_facts dev = gpu::current_device_facts();
     const gpu::gemm_tuning_choice choice =
-        tuning_ == gpu::gemm_tuning_choice::automatic ? gpu::select_gemm_tuning(dev.cc_major) : tuning_;
-    const int min_arch = choice == gpu::gemm_tuning_choice::sm90 ? gpu::sm90_gemm_policy::tuning.min_arch
-                                                                 : gpu::sm80_gemm_policy::tuning.min_arch;
-    const int arch = dev.cc_major * 10 + dev.cc_minor;
-    if (arch < min_arch)
+        tuning_ == gpu::gemm_tuning_choice::automatic ? gpu::select_gemm_tuning(dev.code_arch) : tuning_;
+    const int min_arch = gpu::gemm_tuning_min_arch(choice);
+    if (dev.code_arch < min_arch)
       throw unsupported_error(std::string(where) + ": GEMM tuning '" + std::string(gpu::gemm_tuning_name(choice)) +
-                              "' needs sm_" + std::to_string(min_arch) + " or newer, the device is sm_" +
-                              std::to_string(arch));
+                              "' needs code compiled for sm_" + std::to_string(min_arch) +
+                              " or newer; this device (sm_" + std::to_string(dev.arch) +
+                              ") runs code compiled for sm_" + std::to_string(dev.code_arch));
 
     const bool bf16 = type == dtype::bf16;
     const bool sm90 = choice == gpu::gemm_tuning_choice::sm90;
