@@ -1,0 +1,721 @@
+// moe_bench: every built-in GPU backend on the MoE shapes of three real models, beside
+// the ceilings of the GPU it runs on, measured in the same process.
+//
+//   moe_bench --out results.jsonl --commit $(git rev-parse --short HEAD)
+//             [--shapes Mixtral-8x7B,DeepSeek-V3,Qwen3-30B-A3B] [--tokens 1,8,64,512,4096,16384]
+//             [--backends cuda_fused,cublas_grouped]
+//
+// What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
+// (routing plan, both GEMMs, activation, combine), median over batches of launches timed
+// with CUDA events; replayed from a CUDA graph when the policy is graph-capturable, else
+// called directly (cublas_grouped synchronizes inside each run, so its time includes that
+// round trip). Routing (gpu::topk from f32 logits) is timed separately, from a graph.
+//
+// Ceilings, measured first: HBM read bandwidth (a vectorized read kernel over 4 GiB, far
+// beyond the 60 MB L2), device copy bandwidth (cudaMemcpy device to device, read + write
+// bytes), and the cuBLAS bf16 GEMM rate at 8192^3 on random data.
+//
+// Per cell: flops = 6*M*k*H*I (gated; 4*M*k*H*I ungated); bytes = weights of the experts the
+// routing actually touches + x in + out + topk ids and weights; floor_ms = max(bytes / read
+// bandwidth, flops / GEMM rate); fraction_of_floor = floor_ms / ms.
+//
+// Correctness per cell, max_rel_err = the largest per-token ||out_t - check_t|| / ||check_t||:
+// for M <= 64 against the CPU reference backend on up to 3 tokens ("check": "reference_cpu"),
+// above that against the other GPU backend's full output ("check": "vs_<backend>"). A NaN
+// anywhere makes it null in the JSON and "NaN" in the table.
+//
+// Small working sets would be timed out of L2: each cell rotates over several routing sets
+// (different tokens, hence different experts), and over several weight copies when one copy
+// of a shape's weights would fit in four times the L2.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <exception>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include "moerunner/core/host_float.hpp"
+#include "moerunner/gpu/cublas_check.hpp"
+#include "moerunner/gpu/cuda_check.hpp"
+#include "moerunner/gpu/routing.cuh"
+#include "moerunner/moerunner.hpp"
+#include "moerunner/policies/cublas_grouped_policy.cuh"
+#include "moerunner/policies/cuda_fused_policy.cuh"
+
+namespace mr = moerunner;
+
+namespace {
+
+// The GPU backends under test: a compile-time list, each picked by name through MoeRunner.
+using bench_runner = mr::MoeRunner<mr::cuda_fused_policy, mr::cublas_grouped_policy>;
+
+template <class R>
+struct policy_names;
+template <class... P>
+struct policy_names<mr::MoeRunner<P...>> {
+  static std::vector<std::string> get() { return {std::string(P::name)...}; }
+};
+
+struct shape_desc {
+  std::string name;
+  int e, k, h, i;
+};
+
+const std::vector<shape_desc> default_shapes = {
+    {"Mixtral-8x7B", 8, 2, 4096, 14336},
+    {"DeepSeek-V3", 256, 8, 7168, 2048},
+    {"Qwen3-30B-A3B", 128, 8, 2048, 768},
+};
+const std::vector<int> default_tokens = {1, 8, 64, 512, 4096, 16384};
+
+constexpr int routing_sets = 4;            // rotated within a cell so small cells do not live in L2
+constexpr int max_weight_copies = 4;
+constexpr std::int64_t reference_max_tokens = 64;  // up to here the CPU reference checks a subsample
+constexpr int reference_subsample = 3;
+// A cell whose max_rel_err is above this (bf16 output, f32 accumulate) is reported as a failure.
+constexpr double max_rel_err_limit = 2e-2;
+
+// ---------------------------------------------------------------- device memory and data
+
+class dbuf {
+ public:
+  dbuf() = default;
+  explicit dbuf(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_) MOE_CUDA_CHECK(cudaMalloc(&ptr_, bytes_));
+  }
+  dbuf(const dbuf&) = delete;
+  dbuf& operator=(const dbuf&) = delete;
+  dbuf(dbuf&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  dbuf& operator=(dbuf&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~dbuf() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  void* get() const { return ptr_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+__host__ __device__ inline std::uint64_t mix64(std::uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Uniform values in [-scale, scale) from a counter hash: reproducible and fast over 20+ GB.
+template <class T>
+__global__ void fill_uniform_kernel(T* p, std::size_t n, std::uint64_t seed, float scale) {
+  const std::uint64_t s = mix64(seed);
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const float u = static_cast<float>(mix64(s + i) >> 40) * (1.0f / 16777216.0f);
+    p[i] = static_cast<T>(scale * (2.0f * u - 1.0f));
+  }
+}
+
+template <class T>
+void fill_uniform(void* p, std::size_t n, std::uint64_t seed, float scale, cudaStream_t s) {
+  if (n == 0) return;
+  fill_uniform_kernel<T><<<1024, 256, 0, s>>>(static_cast<T*>(p), n, seed, scale);
+  MOE_CUDA_CHECK_LAUNCH("fill_uniform_kernel");
+}
+
+// Reads every 16-byte word once; the never-true store keeps the loads from being removed.
+__global__ void read_bandwidth_kernel(const int4* __restrict__ p, std::size_t n, int* sink) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  int acc = 0;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const int4 a = p[i], b = p[i + stride], c = p[i + 2 * stride], d = p[i + 3 * stride];
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  }
+  for (; i < n; i += stride) {
+    const int4 a = p[i];
+    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  if (acc == 0x7fffffff) *sink = acc;
+}
+
+// ---------------------------------------------------------------- timing
+
+class event_pair {
+ public:
+  event_pair() {
+    MOE_CUDA_CHECK(cudaEventCreate(&a_));
+    MOE_CUDA_CHECK(cudaEventCreate(&b_));
+  }
+  event_pair(const event_pair&) = delete;
+  event_pair& operator=(const event_pair&) = delete;
+  ~event_pair() {
+    cudaEventDestroy(a_);
+    cudaEventDestroy(b_);
+  }
+  void start(cudaStream_t s) { MOE_CUDA_CHECK(cudaEventRecord(a_, s)); }
+  float stop_ms(cudaStream_t s) {
+    MOE_CUDA_CHECK(cudaEventRecord(b_, s));
+    MOE_CUDA_CHECK(cudaEventSynchronize(b_));
+    float ms = 0.0f;
+    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, a_, b_));
+    return ms;
+  }
+
+ private:
+  cudaEvent_t a_ = nullptr, b_ = nullptr;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Median per-launch time of launch(j), j = 0, 1, 2, ...: batches of launches long enough
+// (>= ~1 ms) for event resolution not to matter, about 0.2 s of timing per call.
+template <class F>
+double median_launch_ms(cudaStream_t s, F&& launch) {
+  event_pair ev;
+  int j = 0;
+  for (int w = 0; w < 3; ++w) launch(j++);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  ev.start(s);
+  launch(j++);
+  const double estimate = std::max(1e-3, static_cast<double>(ev.stop_ms(s)));
+  const int per_batch = std::clamp(static_cast<int>(std::ceil(1.0 / estimate)), 1, 64);
+  const int batches = std::clamp(static_cast<int>(200.0 / (estimate * per_batch)), 5, 15);
+  std::vector<double> samples;
+  for (int b = 0; b < batches; ++b) {
+    ev.start(s);
+    for (int r = 0; r < per_batch; ++r) launch(j++);
+    samples.push_back(ev.stop_ms(s) / per_batch);
+  }
+  return median(samples);
+}
+
+class graph_exec {
+ public:
+  graph_exec() = default;
+  graph_exec(const graph_exec&) = delete;
+  graph_exec& operator=(const graph_exec&) = delete;
+  graph_exec(graph_exec&& o) noexcept : exec_(std::exchange(o.exec_, nullptr)) {}
+  ~graph_exec() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+  }
+  // Captures f(stream) into a graph; a throw inside f ends the capture before it propagates.
+  template <class F>
+  static graph_exec capture(cudaStream_t s, F&& f) {
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    cudaGraph_t g = nullptr;
+    try {
+      f(s);
+    } catch (...) {
+      cudaStreamEndCapture(s, &g);
+      if (g) cudaGraphDestroy(g);
+      throw;
+    }
+    MOE_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+    graph_exec out;
+    const cudaError_t inst = cudaGraphInstantiate(&out.exec_, g, 0);
+    cudaGraphDestroy(g);
+    MOE_CUDA_CHECK(inst);
+    return out;
+  }
+  void launch(cudaStream_t s) const { MOE_CUDA_CHECK(cudaGraphLaunch(exec_, s)); }
+
+ private:
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+// ---------------------------------------------------------------- ceilings
+
+struct ceilings {
+  double read_tbps = 0, copy_tbps = 0, gemm_tflops = 0;
+};
+
+ceilings measure_ceilings(cudaStream_t s, int sm_count) {
+  ceilings c;
+  {
+    const std::size_t bytes = std::size_t{4} << 30;
+    dbuf buf(bytes), sink(sizeof(int));
+    fill_uniform<float>(buf.get(), bytes / 4, 1, 1.0f, s);
+    const std::size_t words = bytes / sizeof(int4);
+    const double ms = median_launch_ms(s, [&](int) {
+      read_bandwidth_kernel<<<sm_count * 4, 512, 0, s>>>(static_cast<const int4*>(buf.get()), words,
+                                                        static_cast<int*>(sink.get()));
+      MOE_CUDA_CHECK_LAUNCH("read_bandwidth_kernel");
+    });
+    c.read_tbps = static_cast<double>(bytes) / (ms * 1e-3) / 1e12;
+    const std::size_t half = bytes / 2;
+    char* base = static_cast<char*>(buf.get());
+    const double copy_ms = median_launch_ms(
+        s, [&](int) { MOE_CUDA_CHECK(cudaMemcpyAsync(base + half, base, half, cudaMemcpyDeviceToDevice, s)); });
+    c.copy_tbps = 2.0 * static_cast<double>(half) / (copy_ms * 1e-3) / 1e12;
+  }
+  {
+    constexpr int n = 8192;
+    const std::size_t elems = static_cast<std::size_t>(n) * n;
+    dbuf a(elems * 2), b(elems * 2), d(elems * 2);
+    fill_uniform<__nv_bfloat16>(a.get(), elems, 2, 1.0f, s);
+    fill_uniform<__nv_bfloat16>(b.get(), elems, 3, 1.0f, s);
+    cublasHandle_t h = nullptr;
+    MOE_CUBLAS_CHECK(cublasCreate(&h));
+    std::unique_ptr<std::remove_pointer_t<cublasHandle_t>, decltype(&cublasDestroy)> owner(h, &cublasDestroy);
+    MOE_CUBLAS_CHECK(cublasSetStream(h, s));
+    const float alpha = 1.0f, beta = 0.0f;
+    const double ms = median_launch_ms(s, [&](int) {
+      MOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.get(), CUDA_R_16BF, n, b.get(),
+                                    CUDA_R_16BF, n, &beta, d.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+    });
+    c.gemm_tflops = 2.0 * n * static_cast<double>(n) * n / (ms * 1e-3) / 1e12;
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  return c;
+}
+
+// ---------------------------------------------------------------- one cell's inputs
+
+// Tokens, router logits and their softmax top-k routing, all on the device.
+struct routing_set {
+  dbuf x, logits, weights, ids;
+  mr::tensor_view xv, wv, iv;
+  std::vector<std::int32_t> host_ids;
+  int distinct_experts = 0;
+};
+
+mr::topk_config bench_topk_config(int k) { return mr::topk_config{.top_k = k, .scoring = mr::scoring_func::softmax, .renormalize = true}; }
+
+routing_set make_routing_set(const shape_desc& sh, std::int64_t m, std::uint64_t seed, cudaStream_t s) {
+  const auto dev = mr::memory_space::device;
+  routing_set r;
+  r.x = dbuf(static_cast<std::size_t>(m) * sh.h * 2);
+  r.logits = dbuf(static_cast<std::size_t>(m) * sh.e * 4);
+  r.weights = dbuf(static_cast<std::size_t>(m) * sh.k * 4);
+  r.ids = dbuf(static_cast<std::size_t>(m) * sh.k * 4);
+  fill_uniform<__nv_bfloat16>(r.x.get(), static_cast<std::size_t>(m) * sh.h, seed, 1.0f, s);
+  fill_uniform<float>(r.logits.get(), static_cast<std::size_t>(m) * sh.e, seed + 1, 4.0f, s);
+  r.xv = mr::tensor_view::contiguous(r.x.get(), mr::dtype::bf16, {m, sh.h}, dev);
+  r.wv = mr::tensor_view::contiguous(r.weights.get(), mr::dtype::f32, {m, sh.k}, dev);
+  r.iv = mr::tensor_view::contiguous(r.ids.get(), mr::dtype::i32, {m, sh.k}, dev);
+  const auto lv = mr::tensor_view::contiguous(r.logits.get(), mr::dtype::f32, {m, sh.e}, dev);
+  mr::TopKOutput out{r.wv, r.iv, false};
+  mr::gpu::topk(lv, nullptr, bench_topk_config(sh.k), out, s);
+  r.host_ids.resize(static_cast<std::size_t>(m) * sh.k);
+  MOE_CUDA_CHECK(cudaMemcpyAsync(r.host_ids.data(), r.ids.get(), r.host_ids.size() * 4, cudaMemcpyDeviceToHost, s));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::set<std::int32_t> distinct;
+  for (std::int32_t id : r.host_ids)
+    if (id >= 0) distinct.insert(id);
+  r.distinct_experts = static_cast<int>(distinct.size());
+  return r;
+}
+
+double routing_ms(const shape_desc& sh, const routing_set& r, std::int64_t m, cudaStream_t s) {
+  const auto dev = mr::memory_space::device;
+  const auto lv = mr::tensor_view::contiguous(r.logits.get(), mr::dtype::f32, {m, sh.e}, dev);
+  dbuf w(static_cast<std::size_t>(m) * sh.k * 4), ids(static_cast<std::size_t>(m) * sh.k * 4);
+  mr::TopKOutput out{mr::tensor_view::contiguous(w.get(), mr::dtype::f32, {m, sh.k}, dev),
+                     mr::tensor_view::contiguous(ids.get(), mr::dtype::i32, {m, sh.k}, dev), false};
+  const auto cfg = bench_topk_config(sh.k);
+  mr::gpu::topk(lv, nullptr, cfg, out, s);
+  const graph_exec g = graph_exec::capture(s, [&](cudaStream_t cs) { mr::gpu::topk(lv, nullptr, cfg, out, cs); });
+  return median_launch_ms(s, [&](int) { g.launch(s); });
+}
+
+// ---------------------------------------------------------------- checks
+
+// ||a_t - b_t|| / ||b_t|| for one token row; +inf when either row holds a NaN or an inf.
+double row_rel_err(const std::uint16_t* a, const std::uint16_t* b, int h) {
+  double num = 0.0, den = 0.0;
+  for (int c = 0; c < h; ++c) {
+    const double x = mr::host_float::bf16_to_float(a[c]), y = mr::host_float::bf16_to_float(b[c]);
+    if (!std::isfinite(x) || !std::isfinite(y)) return std::numeric_limits<double>::infinity();
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+std::vector<std::int64_t> subsample_tokens(std::int64_t m) {
+  std::vector<std::int64_t> t = {0, m / 2, m - 1};
+  std::sort(t.begin(), t.end());
+  t.erase(std::unique(t.begin(), t.end()), t.end());
+  if (static_cast<int>(t.size()) > reference_subsample) t.resize(reference_subsample);
+  return t;
+}
+
+// The CPU reference's output rows for a few tokens of routing set 0. Each token runs alone,
+// in its own thread, on host copies of just its k experts (slot j -> local expert j).
+struct reference_rows {
+  std::vector<std::int64_t> tokens;
+  std::vector<std::vector<std::uint16_t>> rows;  // bf16 [H] per token
+};
+
+reference_rows cpu_reference(const shape_desc& sh, const routing_set& r, const dbuf& w13, const dbuf& w2,
+                             std::int64_t m) {
+  const int k = sh.k, h = sh.h, inter = sh.i, rows13 = 2 * sh.i;
+  const std::size_t w13_expert = static_cast<std::size_t>(rows13) * h, w2_expert = static_cast<std::size_t>(h) * inter;
+  reference_rows out;
+  out.tokens = subsample_tokens(m);
+  const std::size_t n = out.tokens.size();
+  std::vector<std::vector<std::uint16_t>> x(n, std::vector<std::uint16_t>(h)), a(n), b(n);
+  std::vector<std::vector<float>> wts(n, std::vector<float>(k));
+  std::vector<std::vector<std::int32_t>> ids(n, std::vector<std::int32_t>(k));
+  for (std::size_t q = 0; q < n; ++q) {
+    const std::int64_t t = out.tokens[q];
+    MOE_CUDA_CHECK(cudaMemcpy(x[q].data(), static_cast<const char*>(r.x.get()) + t * h * 2, h * 2,
+                              cudaMemcpyDeviceToHost));
+    MOE_CUDA_CHECK(cudaMemcpy(wts[q].data(), static_cast<const float*>(r.weights.get()) + t * k, k * 4,
+                              cudaMemcpyDeviceToHost));
+    a[q].resize(w13_expert * k);
+    b[q].resize(w2_expert * k);
+    for (int j = 0; j < k; ++j) {
+      const std::int32_t e = r.host_ids[t * k + j];
+      ids[q][j] = e < 0 ? -1 : j;
+      if (e < 0) continue;
+      MOE_CUDA_CHECK(cudaMemcpy(a[q].data() + j * w13_expert, static_cast<const char*>(w13.get()) + e * w13_expert * 2,
+                                w13_expert * 2, cudaMemcpyDeviceToHost));
+      MOE_CUDA_CHECK(cudaMemcpy(b[q].data() + j * w2_expert, static_cast<const char*>(w2.get()) + e * w2_expert * 2,
+                                w2_expert * 2, cudaMemcpyDeviceToHost));
+    }
+  }
+  out.rows.assign(n, std::vector<std::uint16_t>(h));
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<std::thread> threads;
+  for (std::size_t q = 0; q < n; ++q) {
+    threads.emplace_back([&, q] {
+      try {
+        const auto host = mr::memory_space::host;
+        const mr::MoeRunnerConfig cfg({.num_experts = k, .hidden_size = h, .intermediate_size = inter, .top_k = k});
+        mr::MoeRunner<mr::reference_policy> ref("reference", cfg);
+        const mr::DispatchOutput d{mr::tensor_view::contiguous(x[q].data(), mr::dtype::bf16, {1, h}, host),
+                                   {},
+                                   {mr::tensor_view::contiguous(wts[q].data(), mr::dtype::f32, {1, k}, host),
+                                    mr::tensor_view::contiguous(ids[q].data(), mr::dtype::i32, {1, k}, host),
+                                    false}};
+        const mr::unquantized_quant_info qi{
+            mr::tensor_view::contiguous(a[q].data(), mr::dtype::bf16, {k, rows13, h}, host),
+            mr::tensor_view::contiguous(b[q].data(), mr::dtype::bf16, {k, h, inter}, host)};
+        ref.run(d, qi, mr::tensor_view::contiguous(out.rows[q].data(), mr::dtype::bf16, {1, h}, host), {},
+                cuda::stream_ref(cudaStream_t{}));
+      } catch (...) {
+        errors[q] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  return out;
+}
+
+// ---------------------------------------------------------------- output
+
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+std::string json_string(std::string_view s) {
+  std::string o = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;
+    o += c;
+  }
+  return o + "\"";
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+struct cell_result {
+  std::string backend;
+  bool ok = false;
+  std::string error;
+  std::string timing;  // "cuda_graph" or "direct"
+  double ms = 0.0;
+  std::vector<std::uint16_t> out;  // routing set 0's output, bf16 [M, H]
+  double max_rel_err = 0.0;
+  std::string check;
+};
+
+// ---------------------------------------------------------------- one cell
+
+cell_result run_backend(const std::string& name, const shape_desc& sh, std::int64_t m,
+                        const std::vector<routing_set>& sets, const std::vector<mr::unquantized_quant_info>& weights,
+                        cudaStream_t s) {
+  cell_result res;
+  res.backend = name;
+  try {
+    const mr::MoeRunnerConfig cfg({.num_experts = sh.e, .hidden_size = sh.h, .intermediate_size = sh.i, .top_k = sh.k});
+    bench_runner runner(name, cfg);
+    const bool capturable = runner.visit([](const auto& core) {
+      using P = std::decay_t<decltype(core)>;
+      if constexpr (requires { P::graph_capturable; }) return static_cast<bool>(P::graph_capturable);
+      else return true;
+    });
+    dbuf ws(runner.workspace_bytes(m)), out(static_cast<std::size_t>(m) * sh.h * 2);
+    const auto outv = mr::tensor_view::contiguous(out.get(), mr::dtype::bf16, {m, sh.h}, mr::memory_space::device);
+    const auto run_set = [&](int j, cudaStream_t cs) {
+      const routing_set& r = sets[j % sets.size()];
+      const mr::DispatchOutput d{r.xv, {}, {r.wv, r.iv, false}};
+      runner.run(d, weights[j % weights.size()], outv, {ws.get(), ws.bytes()}, cuda::stream_ref(cs));
+    };
+    run_set(0, s);  // first run outside any capture: lazy set-up, and errors surface plainly
+    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    if (capturable) {
+      std::vector<graph_exec> graphs;
+      for (std::size_t j = 0; j < sets.size(); ++j)
+        graphs.push_back(graph_exec::capture(s, [&](cudaStream_t cs) { run_set(static_cast<int>(j), cs); }));
+      res.timing = "cuda_graph";
+      res.ms = median_launch_ms(s, [&](int j) { graphs[j % graphs.size()].launch(s); });
+    } else {
+      res.timing = "direct";
+      res.ms = median_launch_ms(s, [&](int j) { run_set(j, s); });
+    }
+    // The output checked is a fresh run on set 0 over a NaN-poisoned buffer.
+    MOE_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, out.bytes(), s));
+    run_set(0, s);
+    res.out.resize(static_cast<std::size_t>(m) * sh.h);
+    MOE_CUDA_CHECK(cudaMemcpyAsync(res.out.data(), out.get(), out.bytes(), cudaMemcpyDeviceToHost, s));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    res.ok = true;
+  } catch (const std::exception& e) {
+    res.error = e.what();
+    cudaStreamSynchronize(s);
+    cudaGetLastError();  // a sticky error would poison every later cell; report it and go on
+  }
+  return res;
+}
+
+struct options {
+  std::string out_path = "moe_bench.jsonl";
+  std::string commit = "unknown";
+  std::vector<std::string> shapes, backends;
+  std::vector<int> tokens = default_tokens;
+};
+
+options parse_args(int argc, char** argv) {
+  options o;
+  for (int a = 1; a < argc; ++a) {
+    const std::string arg = argv[a];
+    const auto value = [&]() -> std::string {
+      if (a + 1 >= argc) {
+        std::fprintf(stderr, "moe_bench: %s needs a value\n", arg.c_str());
+        std::exit(2);
+      }
+      return argv[++a];
+    };
+    if (arg == "--out") o.out_path = value();
+    else if (arg == "--commit") o.commit = value();
+    else if (arg == "--shapes") o.shapes = split(value());
+    else if (arg == "--backends") o.backends = split(value());
+    else if (arg == "--tokens") {
+      o.tokens.clear();
+      for (const auto& t : split(value())) o.tokens.push_back(std::stoi(t));
+    } else {
+      std::fprintf(stderr,
+                   "usage: moe_bench [--out FILE.jsonl] [--commit SHA] [--shapes A,B] [--tokens 1,8,...] "
+                   "[--backends cuda_fused,cublas_grouped]\n");
+      std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
+    }
+  }
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const options opt = parse_args(argc, argv);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "moe_bench: no CUDA device\n");
+    return 1;
+  }
+  const auto wall_start = std::chrono::steady_clock::now();
+  cudaDeviceProp prop{};
+  MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t s = nullptr;
+  MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+
+  std::vector<std::string> backends = opt.backends.empty() ? policy_names<bench_runner>::get() : opt.backends;
+  std::vector<shape_desc> shapes;
+  for (const auto& sh : default_shapes)
+    if (opt.shapes.empty() || std::find(opt.shapes.begin(), opt.shapes.end(), sh.name) != opt.shapes.end())
+      shapes.push_back(sh);
+
+  std::ofstream jsonl(opt.out_path);
+  if (!jsonl) {
+    std::fprintf(stderr, "moe_bench: cannot write %s\n", opt.out_path.c_str());
+    return 1;
+  }
+
+  const ceilings c = measure_ceilings(s, prop.multiProcessorCount);
+  std::printf("GPU %s (%d SMs, L2 %.0f MB), commit %s\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6,
+              opt.commit.c_str());
+  std::printf("ceilings: HBM read %.2f TB/s, D2D copy %.2f TB/s (read+write), cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s\n\n",
+              c.read_tbps, c.copy_tbps, c.gemm_tflops);
+  jsonl << "{\"gpu\":" << json_string(prop.name) << ",\"commit\":" << json_string(opt.commit)
+        << ",\"date\":" << json_string(utc_now()) << ",\"read_TBps\":" << json_number(c.read_tbps)
+        << ",\"copy_TBps\":" << json_number(c.copy_tbps) << ",\"gemm_TFLOPs\":" << json_number(c.gemm_tflops)
+        << ",\"sm_count\":" << prop.multiProcessorCount << ",\"l2_MB\":" << json_number(prop.l2CacheSize / 1e6)
+        << ",\"dtype\":\"bf16\",\"routing\":\"softmax top-k, renormalized, f32 logits U(-4,4)\"}\n";
+  jsonl.flush();
+
+  std::printf("%-15s %-15s %6s %10s %10s %7s %9s %9s %10s %-15s %10s %s\n", "backend", "shape", "tokens", "ms",
+              "floor_ms", "floor%", "TFLOP/s", "GB/s", "max_rel_err", "check", "routing_ms", "timing");
+  int failures = 0;
+  for (const auto& sh : shapes) {
+    const std::size_t w13_elems = static_cast<std::size_t>(sh.e) * 2 * sh.i * sh.h;
+    const std::size_t w2_elems = static_cast<std::size_t>(sh.e) * sh.h * sh.i;
+    const double weight_bytes = 2.0 * static_cast<double>(w13_elems + w2_elems);
+    // Extra weight copies only when one copy would sit in L2 across launches.
+    const int copies = std::clamp(static_cast<int>(std::ceil(4.0 * prop.l2CacheSize / weight_bytes)), 1,
+                                  max_weight_copies);
+    std::vector<dbuf> w13(copies), w2(copies);
+    std::vector<mr::unquantized_quant_info> weights;
+    for (int cpy = 0; cpy < copies; ++cpy) {
+      w13[cpy] = dbuf(w13_elems * 2);
+      w2[cpy] = dbuf(w2_elems * 2);
+      fill_uniform<__nv_bfloat16>(w13[cpy].get(), w13_elems, 100 + cpy, 2.0f / std::sqrt(static_cast<float>(sh.h)), s);
+      fill_uniform<__nv_bfloat16>(w2[cpy].get(), w2_elems, 200 + cpy, 2.0f / std::sqrt(static_cast<float>(sh.i)), s);
+      const auto dev = mr::memory_space::device;
+      weights.push_back({mr::tensor_view::contiguous(w13[cpy].get(), mr::dtype::bf16, {sh.e, 2 * sh.i, sh.h}, dev),
+                         mr::tensor_view::contiguous(w2[cpy].get(), mr::dtype::bf16, {sh.e, sh.h, sh.i}, dev)});
+    }
+    for (const int tokens : opt.tokens) {
+      const std::int64_t m = tokens;
+      std::vector<routing_set> sets;
+      for (int j = 0; j < routing_sets; ++j) sets.push_back(make_routing_set(sh, m, 1000 * tokens + 17 * j, s));
+      double route_ms = std::numeric_limits<double>::quiet_NaN();
+      try {
+        route_ms = routing_ms(sh, sets[0], m, s);
+      } catch (const std::exception& e) {
+        std::printf("routing timing failed for %s M=%d: %s\n", sh.name.c_str(), tokens, e.what());
+        cudaGetLastError();
+      }
+
+      // Bytes and flops: the experts each routing set touches, averaged over the sets.
+      double touched = 0.0;
+      for (const auto& r : sets) touched += r.distinct_experts;
+      touched /= static_cast<double>(sets.size());
+      const double expert_bytes = 2.0 * (2.0 * sh.i * sh.h + static_cast<double>(sh.h) * sh.i);
+      const double bytes = touched * expert_bytes + 2.0 * 2.0 * static_cast<double>(m) * sh.h +
+                           8.0 * static_cast<double>(m) * sh.k;
+      const double flops = 6.0 * static_cast<double>(m) * sh.k * sh.h * static_cast<double>(sh.i);
+      const double floor_ms =
+          std::max(bytes / (c.read_tbps * 1e12), flops / (c.gemm_tflops * 1e12)) * 1e3;
+
+      std::vector<cell_result> results;
+      for (const auto& b : backends) results.push_back(run_backend(b, sh, m, sets, weights, s));
+
+      std::optional<reference_rows> ref;
+      const auto reference_check = [&](cell_result& r) {
+        if (!ref) ref = cpu_reference(sh, sets[0], w13[0], w2[0], m);
+        double worst = 0.0;
+        for (std::size_t q = 0; q < ref->tokens.size(); ++q)
+          worst = std::max(worst, row_rel_err(r.out.data() + ref->tokens[q] * sh.h, ref->rows[q].data(), sh.h));
+        r.max_rel_err = worst;
+        r.check = "reference_cpu";
+      };
+      for (std::size_t bi = 0; bi < results.size(); ++bi) {
+        cell_result& r = results[bi];
+        if (!r.ok) continue;
+        const cell_result* other = nullptr;
+        for (const auto& o : results)
+          if (&o != &r && o.ok) {
+            other = &o;
+            break;
+          }
+        try {
+          if (m <= reference_max_tokens || other == nullptr) {
+            reference_check(r);
+          } else {
+            double worst = 0.0;
+            for (std::int64_t t = 0; t < m; ++t)
+              worst = std::max(worst, row_rel_err(r.out.data() + t * sh.h, other->out.data() + t * sh.h, sh.h));
+            r.max_rel_err = worst;
+            r.check = "vs_" + other->backend;
+          }
+        } catch (const std::exception& e) {
+          r.max_rel_err = std::numeric_limits<double>::quiet_NaN();
+          r.check = std::string("failed: ") + e.what();
+        }
+      }
+
+      for (const auto& r : results) {
+        if (!r.ok) {
+          ++failures;
+          std::printf("%-15s %-15s %6d  FAILED: %s\n", r.backend.c_str(), sh.name.c_str(), tokens, r.error.c_str());
+          jsonl << "{\"backend\":" << json_string(r.backend) << ",\"shape\":" << json_string(sh.name)
+                << ",\"tokens\":" << tokens << ",\"ms\":null,\"error\":" << json_string(r.error) << "}\n";
+          continue;
+        }
+        const double frac = floor_ms / r.ms;
+        const double tflops = flops / (r.ms * 1e-3) / 1e12, gbps = bytes / (r.ms * 1e-3) / 1e9;
+        char err[32];
+        if (std::isfinite(r.max_rel_err)) std::snprintf(err, sizeof err, "%.2e", r.max_rel_err);
+        else std::snprintf(err, sizeof err, "NaN");
+        const bool check_ok = std::isfinite(r.max_rel_err) && r.max_rel_err <= max_rel_err_limit;
+        if (!check_ok) ++failures;
+        std::printf("%-15s %-15s %6d %10.4f %10.4f %6.1f%% %9.1f %9.1f %10s %-15s %10.4f %s%s\n", r.backend.c_str(),
+                    sh.name.c_str(), tokens, r.ms, floor_ms, 100.0 * frac, tflops, gbps, err, r.check.c_str(),
+                    route_ms, r.timing.c_str(), check_ok ? "" : "  CHECK FAILED");
+        jsonl << "{\"backend\":" << json_string(r.backend) << ",\"shape\":" << json_string(sh.name)
+              << ",\"tokens\":" << tokens << ",\"E\":" << sh.e << ",\"k\":" << sh.k << ",\"H\":" << sh.h
+              << ",\"I\":" << sh.i << ",\"ms\":" << json_number(r.ms) << ",\"floor_ms\":" << json_number(floor_ms)
+              << ",\"fraction_of_floor\":" << json_number(frac) << ",\"tflops\":" << json_number(tflops)
+              << ",\"gbps\":" << json_number(gbps) << ",\"max_rel_err\":" << json_number(r.max_rel_err)
+              << ",\"check\":" << json_string(r.check) << ",\"routing_ms\":" << json_number(route_ms)
+              << ",\"timing\":" << json_string(r.timing) << ",\"experts_touched\":" << json_number(touched)
+              << ",\"bytes\":" << json_number(bytes) << ",\"flops\":" << json_number(flops) << "}\n";
+      }
+      jsonl.flush();
+      std::fflush(stdout);
+    }
+  }
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+  std::printf("\nresults: %s (%.0f s), %d failed cell(s)\n", opt.out_path.c_str(), wall, failures);
+  cudaStreamDestroy(s);
+  return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,292 @@
+#!/usr/bin/env bash
+# One command for a GPU machine that has the CUDA toolkit (nvcc), Python with meson and ninja,
+# and PyTorch, but no internet: builds with the header dependencies carried in .deps/ (made by
+# scripts/prepare_deps.sh), runs the GPU and CPU test suites, compute-sanitizer memcheck and
+# racecheck over the GPU test executables, the benchmark and the PyTorch comparison, and leaves
+# every log and result under one output folder, with a summary printed last.
+# See CONTRIBUTING.md, "Running on a GPU machine".
+#
+#   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch]
+#                         [--archs 90a] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
+#                         [--pack]
+#
+#   --out DIR          where logs and results go (default: $OUT if set, else build-device/run)
+#   --results FILE     benchmark JSON lines (default: DIR/h200.jsonl)
+#   --steps LIST       any of build,test,sanitize,bench,torch (default: all; later steps reuse the build)
+#   --archs LIST       gpu_archs for Meson (default: 90a; e.g. 80,90a)
+#   --jobs N           parallel compile jobs (default: all cores)
+#   --budget SECONDS   wall-clock budget for the whole run (default 570); each step gets what is left
+#   --bench-args ARGS  extra arguments for moe_bench and torch_grouped_mm.py filters (--shapes/--tokens)
+#   --sanitizer-args   extra arguments passed to each GPU test under compute-sanitizer (e.g. a doctest filter)
+#   --pack             leave only summary.txt, the results and logs.tar.gz in DIR
+#
+# Exit status: 0 when every step that ran passed.
+set -uo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+out_dir=${OUT:-$root/build-device/run}
+results=""
+steps="build,test,sanitize,bench,torch"
+archs="90a"
+jobs=$(nproc)
+budget=570
+bench_args=""
+sanitizer_args=""
+pack=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --out) out_dir=$2; shift 2 ;;
+    --results) results=$2; shift 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    --archs) archs=$2; shift 2 ;;
+    --jobs) jobs=$2; shift 2 ;;
+    --budget) budget=$2; shift 2 ;;
+    --bench-args) bench_args=$2; shift 2 ;;
+    --sanitizer-args) sanitizer_args=$2; shift 2 ;;
+    --pack) pack=1; shift ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "device_run: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out_dir/logs"
+out_dir=$(cd "$out_dir" && pwd)
+results=${results:-$out_dir/h200.jsonl}
+logs=$out_dir/logs
+build=$root/build-device
+deps=$root/.deps
+start=$(date +%s)
+deadline=$((start + budget))
+status_file=$logs/steps.tsv
+: > "$status_file"
+overall=0
+
+has_step() { [[ ",$steps," == *",$1,"* ]]; }
+note() { printf '[device_run %4ds] %s\n' "$(( $(date +%s) - start ))" "$*"; }
+# record STEP RESULT DETAIL: one line per step for the summary.
+record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$status_file"; [[ "$2" == ok || "$2" == skipped ]] || overall=1; }
+# step_timeout CAP RESERVE: seconds a step may take, leaving RESERVE for the steps after it.
+step_timeout() {
+  local left=$((deadline - $(date +%s) - $2))
+  (( left < $1 )) && echo "$left" || echo "$1"
+}
+# out_of_time STEP T: records STEP as skipped when fewer than 20 seconds are left for it.
+out_of_time() {
+  (( $2 >= 20 )) && return 1
+  record "$1" skipped "out of time (--budget $budget); run it alone with --steps $1"
+  note "$1: skipped, out of time"
+}
+
+# ---------------------------------------------------------------- tools
+if command -v meson >/dev/null 2>&1; then meson=(meson)
+elif python3 -m mesonbuild.mesonmain --version >/dev/null 2>&1; then meson=(python3 -m mesonbuild.mesonmain)
+else echo "device_run: meson not found (pip install meson ninja)" >&2; exit 1; fi
+if ! command -v ninja >/dev/null 2>&1; then
+  if python3 -m ninja --version >/dev/null 2>&1; then
+    mkdir -p "$build-tools"
+    printf '#!/bin/sh\nexec python3 -m ninja "$@"\n' > "$build-tools/ninja"
+    chmod +x "$build-tools/ninja"
+    export PATH="$build-tools:$PATH"
+  else
+    echo "device_run: ninja not found (pip install ninja)" >&2; exit 1
+  fi
+fi
+if command -v nvcc >/dev/null 2>&1; then :
+elif [[ -x /usr/local/cuda/bin/nvcc ]]; then export PATH="/usr/local/cuda/bin:$PATH"
+else echo "device_run: nvcc not found" >&2; exit 1; fi
+sanitizer=$(command -v compute-sanitizer || true)
+[[ -z "$sanitizer" && -x /usr/local/cuda/bin/compute-sanitizer ]] && sanitizer=/usr/local/cuda/bin/compute-sanitizer
+commit=${MOE_COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)}
+if [[ "$commit" != unknown && -z "${MOE_COMMIT:-}" && -n "$(git -C "$root" status --porcelain --untracked-files=no 2>/dev/null)" ]]; then
+  commit="$commit-dirty"
+fi
+note "nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), meson $("${meson[@]}" --version), commit $commit"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$logs/gpu.txt" 2>&1 || true
+
+# ---------------------------------------------------------------- build
+if has_step build; then
+  if [[ ! -f "$deps/include/boost/hana.hpp" || ! -f "$deps/include/doctest/doctest.h" ]]; then
+    if [[ -f /usr/include/boost/hana.hpp && -f /usr/include/doctest/doctest.h ]]; then
+      "$root/scripts/prepare_deps.sh" > "$logs/prepare_deps.log" 2>&1
+    else
+      echo "device_run: .deps/ is missing; run scripts/prepare_deps.sh where Boost and doctest are installed" \
+           "and bring .deps/ along" >&2
+      exit 1
+    fi
+  fi
+  # Meson's boost finder reads boost_root from a machine file; the path must be absolute here.
+  printf "[properties]\nboost_root = '%s'\n" "$deps" > "$deps/native.ini"
+  setup_args=(--native-file "$deps/native.ini" "-Dpkg_config_path=$deps/lib/pkgconfig" "-Dcmake_prefix_path=$deps"
+              "-Dgpu_archs=$archs" -Dbuildtype=release)
+  # Meson does not always track the headers a CUDA object includes: when any header changed
+  # since the last build here, drop the CUDA objects so they are compiled again.
+  header_sum=$(find "$root/include" "$root/kernels" "$root/policies" "$root/tests" "$root/bench" -type f \
+                 \( -name '*.hpp' -o -name '*.cuh' -o -name '*.h' \) -print0 | sort -z | xargs -0 cat | cksum)
+  if [[ -d "$build" && "$(cat "$build/.header_sum" 2>/dev/null)" != "$header_sum" ]]; then
+    find "$build" -name '*.cu.o' -delete
+  fi
+  t=$(step_timeout 330 240)
+  note "build: meson setup + ninja (archs $archs, up to ${t}s)"
+  {
+    if [[ -f "$build/build.ninja" ]]; then  # the native file is kept from the first setup
+      "${meson[@]}" setup --reconfigure "$build" "$root" "${setup_args[@]:2}"
+    else
+      "${meson[@]}" setup "$build" "$root" "${setup_args[@]}"
+    fi && timeout "$t" ninja -C "$build" -j "$jobs"
+  } > "$logs/build.log" 2>&1
+  rc=$?
+  if [[ $rc -eq 0 ]]; then
+    echo "$header_sum" > "$build/.header_sum"
+    record build ok "$(grep -c 'Compiling\|Linking' "$logs/build.log") build steps"
+  elif [[ $rc -eq 124 ]]; then record build timeout "over ${t}s, see logs/build.log"
+  else record build failed "see logs/build.log"; fi
+  note "build: $(tail -n1 "$status_file" | cut -f2)"
+fi
+
+# ---------------------------------------------------------------- tests
+if has_step test; then
+  for suite in gpu cpu; do
+    t=$(step_timeout 150 200)
+    out_of_time "test-$suite" "$t" && continue
+    note "test: meson test --suite $suite (up to ${t}s)"
+    timeout "$t" "${meson[@]}" test -C "$build" --suite "$suite" --print-errorlogs > "$logs/test-$suite.log" 2>&1
+    rc=$?
+    cp "$build/meson-logs/testlog.json" "$logs/testlog-$suite.json" 2>/dev/null || true
+    counts=$(python3 - "$logs/testlog-$suite.json" <<'PY'
+import collections, json, sys
+c = collections.Counter()
+try:
+    for line in open(sys.argv[1]):
+        c[json.loads(line)["result"]] += 1
+except OSError:
+    pass
+print(", ".join(f"{n} {r.lower()}" for r, n in sorted(c.items())) or "no test log")
+PY
+)
+    if [[ $rc -eq 0 ]]; then record "test-$suite" ok "$counts"
+    elif [[ $rc -eq 124 ]]; then record "test-$suite" timeout "$counts"
+    else record "test-$suite" failed "$counts"; fi
+    note "test $suite: $counts"
+  done
+fi
+
+# ---------------------------------------------------------------- compute-sanitizer
+if has_step sanitize; then
+  t=$(step_timeout 150 200)
+  if [[ -z "$sanitizer" ]]; then
+    record sanitize skipped "compute-sanitizer not found"
+  elif ! out_of_time sanitize "$t"; then
+    mapfile -t gpu_tests < <("${meson[@]}" introspect "$build" --tests 2>/dev/null | python3 -c '
+import json, sys
+for t in json.load(sys.stdin):
+    if any(s == "gpu" or s.endswith(":gpu") for s in t["suite"]):
+        print(t["name"] + "\t" + t["cmd"][0])
+')
+    note "sanitize: memcheck and racecheck over ${#gpu_tests[@]} GPU test executable(s), concurrently, up to ${t}s each"
+    pids=()
+    labels=()
+    for entry in "${gpu_tests[@]}"; do
+      name=${entry%%$'\t'*}
+      exe=${entry#*$'\t'}
+      for tool in memcheck racecheck; do
+        # shellcheck disable=SC2086
+        timeout "$t" "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 50 "$exe" $sanitizer_args \
+          > "$logs/sanitize-$tool-$name.log" 2>&1 &
+        pids+=($!)
+        labels+=("$tool $name")
+      done
+    done
+    for i in "${!pids[@]}"; do
+      wait "${pids[$i]}"
+      rc=$?
+      log="$logs/sanitize-${labels[$i]// /-}.log"
+      case $rc in
+        0) record "${labels[$i]}" ok "clean" ;;
+        77) record "${labels[$i]}" skipped "the test saw no GPU" ;;
+        99) record "${labels[$i]}" failed "$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" || echo 'errors reported, see log')" ;;
+        124) record "${labels[$i]}" timeout "still running after ${t}s; the log shows what ran" ;;
+        *) record "${labels[$i]}" failed "exit $rc (a test failed under the tool), see log" ;;
+      esac
+    done
+    [[ ${#gpu_tests[@]} -eq 0 ]] && record sanitize skipped "no GPU tests in the build"
+    note "sanitize: done"
+  fi
+fi
+
+# ---------------------------------------------------------------- benchmark
+if has_step bench; then
+  t=$(step_timeout 300 90)
+  if ! out_of_time bench "$t"; then
+    note "bench: moe_bench -> $results (up to ${t}s)"
+    # shellcheck disable=SC2086
+    timeout "$t" "$build/bench/moe_bench" --out "$results" --commit "$commit" $bench_args \
+      > "$logs/bench.log" 2>&1
+    rc=$?
+    if [[ $rc -eq 0 ]]; then record bench ok "$(grep -c '"backend"' "$results") cells"
+    elif [[ $rc -eq 124 ]]; then record bench timeout "partial results in $(basename "$results")"
+    else record bench failed "exit $rc, see logs/bench.log"; fi
+    note "bench: $(tail -n1 "$status_file" | cut -f2)"
+  fi
+fi
+
+if has_step torch; then
+  t=$(step_timeout 240 10)
+  if out_of_time torch "$t"; then
+    :
+  elif [[ ! -s "$results" ]]; then
+    record torch skipped "no benchmark results to append to"
+  else
+    note "torch: bench/torch_grouped_mm.py (up to ${t}s)"
+    torch_filters=$(grep -oE -- '--(shapes|tokens) [^ ]+' <<< "$bench_args" | tr '\n' ' ')
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 timeout "$t" python3 "$root/bench/torch_grouped_mm.py" --jsonl "$results" $torch_filters \
+      > "$logs/torch.log" 2>&1
+    rc=$?
+    if [[ $rc -eq 0 ]]; then record torch ok "$(grep -c '"torch_' "$results") cells"
+    elif [[ $rc -eq 124 ]]; then record torch timeout "partial results appended"
+    else record torch failed "exit $rc, see logs/torch.log"; fi
+  fi
+  note "torch: $(tail -n1 "$status_file" | cut -f2)"
+fi
+
+# ---------------------------------------------------------------- summary
+python3 - "$status_file" "$results" "$commit" "$(( $(date +%s) - start ))" > "$out_dir/summary.txt" <<'PY'
+import json, sys
+status, results, commit, elapsed = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+print(f"device run, commit {commit}, {elapsed} s")
+for line in open(status):
+    step, result, detail = (line.rstrip("\n").split("\t") + ["", ""])[:3]
+    print(f"  {step:<40} {result:<8} {detail}")
+try:
+    lines = [json.loads(l) for l in open(results) if l.strip()]
+except OSError:
+    lines = []
+if lines:
+    c = lines[0]
+    print(f"\n{c.get('gpu')}: HBM read {c.get('read_TBps', 0):.2f} TB/s, copy {c.get('copy_TBps', 0):.2f} TB/s, "
+          f"bf16 GEMM {c.get('gemm_TFLOPs', 0):.0f} TFLOP/s (measured in this run)")
+    cells = [l for l in lines[1:] if "backend" in l]
+    backends = list(dict.fromkeys(l["backend"] for l in cells))
+    keys = list(dict.fromkeys((l["shape"], l["tokens"]) for l in cells))
+    by = {(l["backend"], l["shape"], l["tokens"]): l for l in cells}
+    head = f"{'shape':<15} {'tokens':>6}" + "".join(f" | {b[:18]:>18} ms  floor%   err" for b in backends)
+    print("\n" + head)
+    print("-" * len(head))
+    for shape, tokens in keys:
+        row = f"{shape:<15} {tokens:>6}"
+        for b in backends:
+            l = by.get((b, shape, tokens))
+            if not l or l.get("ms") is None:
+                row += f" | {'failed' if l else '-':>21} {'':>6} {'':>7}"
+                continue
+            err = l.get("max_rel_err")
+            err_s = f"{err:.1e}" if isinstance(err, (int, float)) else "NaN"
+            row += f" | {l['ms']:>21.4f} {100 * l.get('fraction_of_floor', 0):>5.1f}% {err_s:>7}"
+        print(row)
+    print("\nms: median time from topk ids/weights to output; floor% = floor_ms / ms "
+          "(floor = max(touched-expert bytes / read bandwidth, 6*M*k*H*I / GEMM rate)); err = max per-token relative error.")
+PY
+if [[ $pack -eq 1 ]]; then
+  tar -C "$out_dir" -czf "$out_dir/logs.tar.gz" logs && rm -rf "$logs"
+fi
+cat "$out_dir/summary.txt"
+exit $overall
