@@ -259,7 +259,7 @@ TEST_CASE_TEMPLATE("rejected calls write nothing", P, mr::cuda_fused_policy, mr:
   CHECK_THROWS_AS(g.runner->run(host_d, mr::unquantized_quant_info{g.w13.view, g.w2.view}, g.out, {g.ws.get(), g.ws.bytes()}, {}),
                   mr::invalid_argument_error);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto bytes = g.out_buf.download<unsigned char>(g.out_buf.bytes());
+  const auto bytes = g.out_buf.template download<unsigned char>(g.out_buf.bytes());
   for (unsigned char b : bytes) REQUIRE(b == 0x5a);
 }
 
