@@ -28,10 +28,12 @@ inline float load_as_float(const tensor_view& t, std::int64_t i) {
   return 0.0f;
 }
 
-// The warp-order sum of routing/topk_rules.hpp, emulated lane by lane.
+// The warp-order sum of routing/topk_rules.hpp, emulated lane by lane. NaN terms are left
+// out, so that one NaN logit cannot turn every other expert's softmax weight into NaN.
 inline float warp_order_sum(const float* v, int n) {
   std::array<float, routing::warp_lanes> lane{};
-  for (int e = 0; e < n; ++e) lane[e % routing::warp_lanes] = portable::add_rn(lane[e % routing::warp_lanes], v[e]);
+  for (int e = 0; e < n; ++e)
+    if (v[e] == v[e]) lane[e % routing::warp_lanes] = portable::add_rn(lane[e % routing::warp_lanes], v[e]);
   for (int off = routing::warp_lanes / 2; off > 0; off /= 2) {
     std::array<float, routing::warp_lanes> next{};
     for (int l = 0; l < routing::warp_lanes; ++l) next[l] = portable::add_rn(lane[l], lane[l ^ off]);
@@ -96,7 +98,7 @@ inline void route_token(const float* logits, const float* bias, int num_experts,
   for (int i = 0; i < E; ++i) scores[i] = routing::score(logits[i], cfg.scoring);
   if (cfg.scoring == scoring_func::softmax) {
     float mx = -std::numeric_limits<float>::infinity();
-    for (int i = 0; i < E; ++i) mx = std::max(mx, scores[i]);  // NaN-free max; NaN rows stay NaN below
+    for (int i = 0; i < E; ++i) mx = std::max(mx, scores[i]);  // NaN-free max; NaN scores stay NaN below
     for (int i = 0; i < E; ++i) scores[i] = portable::exp(portable::add_rn(scores[i], -mx));
     const float sum = detail::warp_order_sum(scores, E);
     for (int i = 0; i < E; ++i) scores[i] = portable::div_rn(scores[i], sum);

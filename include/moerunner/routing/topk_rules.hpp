@@ -3,7 +3,8 @@
 // Everything that decides which experts win is specified bit for bit: scores use
 // portable::exp, sums follow the order of a 32-lane warp (lane l adds experts
 // l, l+32, ... in order, then a butterfly over offsets 16, 8, 4, 2, 1), and ties
-// go to the lower expert (or group) index. NaN scores rank below everything.
+// go to the lower expert (or group) index. NaN scores rank below everything and are left
+// out of the softmax sum, so a NaN logit never wins and never spoils the other weights.
 #pragma once
 
 #include "moerunner/core/config.hpp"

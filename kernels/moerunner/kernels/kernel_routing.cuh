@@ -40,24 +40,24 @@ namespace routing_detail {
 
 inline constexpr unsigned full_mask = 0xffffffffu;
 
-// (va, ia) beats (vb, ib); index -1 means "no candidate" and loses to any candidate.
-__device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
-  return ia >= 0 && (ib < 0 || routing::ranks_before(va, ia, vb, ib));
+// An order-preserving u32 image of a key: (a, i) ranks before (b, j) in routing::ranks_before
+// exactly when rank_key(a) > rank_key(b), or they are equal and i < j. -0 and +0 map together
+// (they compare equal), NaN maps to 1 below every number, and 0 is left for "no candidate".
+// Comparing integers lets the warp use redux.sync instead of a shuffle tree per selection.
+__device__ __forceinline__ unsigned rank_key(float x) {
+  if (x != x) return 1u;
+  const unsigned u = __float_as_uint(__fadd_rn(x, 0.0f));  // -0 + 0 = +0
+  return (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
 }
 
-// The best still-available expert among this lane's own.
-template <int EPL>
-__device__ __forceinline__ void lane_best(const float (&key)[EPL], unsigned avail, int lane, float& bv, int& bi) {
-  bv = 0.0f;
-  bi = -1;
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    const int e = lane + routing::warp_lanes * i;
-    if (((avail >> i) & 1u) && beats(key[i], e, bv, bi)) {
-      bv = key[i];
-      bi = e;
-    }
-  }
+// The inverse of rank_key for numbers.
+__device__ __forceinline__ float from_rank_key(unsigned r) {
+  return __uint_as_float((r & 0x80000000u) != 0u ? (r & 0x7fffffffu) : ~r);
+}
+
+// (ra, ia) ranks before (rb, ib); rank key 0 (no candidate) never does.
+__device__ __forceinline__ bool ranks_before(unsigned ra, int ia, unsigned rb, int ib) {
+  return ra != 0u && (ra > rb || (ra == rb && ia < ib));
 }
 
 // Bits (one per register slot) of this lane's experts that lie in the topk_group best groups.
@@ -76,46 +76,49 @@ __device__ __forceinline__ unsigned kept_group_experts(const float (&key)[EPL], 
   int sub = 1;
   while (sub * 2 * G <= routing::warp_lanes) sub *= 2;
   const int g = lane / sub, part = lane % sub;
-  float v1 = 0.0f, v2 = 0.0f;
+  unsigned r1 = 0, r2 = 0;
   int b1 = -1, b2 = -1;
   if (g < G) {
+    // Indices rise along the scan, so an equal key never displaces an earlier one.
     for (int e = g * per + part; e < (g + 1) * per; e += sub) {
-      const float v = s_key[e];
-      if (beats(v, e, v1, b1)) {
-        v2 = v1;
+      const unsigned r = rank_key(s_key[e]);
+      if (r > r1) {
+        r2 = r1;
         b2 = b1;
-        v1 = v;
+        r1 = r;
         b1 = e;
-      } else if (beats(v, e, v2, b2)) {
-        v2 = v;
+      } else if (r > r2) {
+        r2 = r;
         b2 = e;
       }
     }
   }
   for (int off = sub / 2; off > 0; off /= 2) {  // lanes l and l^off (off < sub) share a group
-    const float o1 = __shfl_xor_sync(full_mask, v1, off), o2 = __shfl_xor_sync(full_mask, v2, off);
+    const unsigned o1 = __shfl_xor_sync(full_mask, r1, off), o2 = __shfl_xor_sync(full_mask, r2, off);
     const int j1 = __shfl_xor_sync(full_mask, b1, off), j2 = __shfl_xor_sync(full_mask, b2, off);
-    if (beats(o1, j1, v1, b1)) {
-      if (!beats(v1, b1, o2, j2)) {
-        v1 = o2;
+    if (ranks_before(o1, j1, r1, b1)) {
+      if (!ranks_before(r1, b1, o2, j2)) {
+        r1 = o2;
         b1 = j2;
       }
-      v2 = v1;
+      r2 = r1;
       b2 = b1;
-      v1 = o1;
+      r1 = o1;
       b1 = j1;
-    } else if (beats(o1, j1, v2, b2)) {
-      v2 = o1;
+    } else if (ranks_before(o1, j1, r2, b2)) {
+      r2 = o1;
       b2 = j1;
     }
   }
-  const float gscore = (p.bias != nullptr && per >= 2) ? portable::add_rn(v1, v2) : v1;
+  float gscore = 0.0f;
+  if (g < G) gscore = (p.bias != nullptr && per >= 2) ? portable::add_rn(s_key[b1], s_key[b2]) : s_key[b1];
 
   // Keep group g when fewer than topk_group groups rank before it.
+  const unsigned gr = rank_key(gscore);
   int rank = 0;
   for (int h = 0; h < G; ++h) {
-    const float other = __shfl_sync(full_mask, gscore, h * sub);
-    if (h != g && routing::ranks_before(other, h, gscore, g)) ++rank;
+    const unsigned other = __shfl_sync(full_mask, gr, h * sub);
+    rank += (other > gr || (other == gr && h < g)) ? 1 : 0;
   }
   const unsigned kept_lanes = __ballot_sync(full_mask, g < G && part == 0 && rank < p.topk_group);
   __syncwarp();  // s_key is rewritten for the next token
@@ -143,7 +146,7 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
   const int E = p.num_experts, k = p.top_k;
   const T* logits = static_cast<const T*>(p.logits);
 
-  // The loop bound is the same on every lane of a warp, so the shuffles below never diverge.
+  // The loop bound is the same on every lane of a warp, so the warp collectives never diverge.
   for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * topk_warps_per_block + warp; t < p.num_tokens;
        t += static_cast<std::int64_t>(gridDim.x) * topk_warps_per_block) {
     const T* row = logits + t * E;
@@ -164,7 +167,8 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
 #pragma unroll
       for (int i = 0; i < EPL; ++i)
         if ((avail >> i) & 1u) mx = fmaxf(mx, score[i]);
-      for (int off = lanes / 2; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(full, mx, off));
+      // The max is order-free (a -0/+0 choice cannot change exp(s - max)), so a redux does.
+      mx = routing_detail::from_rank_key(__reduce_max_sync(full, routing_detail::rank_key(mx)));
       float sum = 0.0f;
 #pragma unroll
       for (int i = 0; i < EPL; ++i)
@@ -190,29 +194,29 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
     __syncwarp();
     if (p.num_groups > 0) avail &= routing_detail::kept_group_experts<EPL>(key, avail, p, s_key[warp], lane);
 
-    // k rounds of a warp argmax; only the winner's lane rescans its experts.
-    float bv;
-    int bi;
-    routing_detail::lane_best<EPL>(key, avail, lane, bv, bi);
+    // k rounds: the best rank key in the warp, then the lowest expert holding it.
+    unsigned rk[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) rk[i] = ((avail >> i) & 1u) ? routing_detail::rank_key(key[i]) : 0u;
     float sum = 0.0f, my_weight = 0.0f;
     int my_id = -1;
     for (int j = 0; j < k; ++j) {
-      float wv = bv;
-      int wi = bi;
-      for (int off = lanes / 2; off > 0; off /= 2) {
-        const float ov = __shfl_xor_sync(full, wv, off);
-        const int oi = __shfl_xor_sync(full, wi, off);
-        if (routing_detail::beats(ov, oi, wv, wi)) {
-          wv = ov;
-          wi = oi;
-        }
-      }
-      // Every lane now holds the same winner; validation guarantees there is one (wi >= 0).
-      const float w = wi >= 0 ? s_score[warp][wi] : 0.0f;
+      unsigned lane_max = 0;
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) lane_max = max(lane_max, rk[i]);
+      const unsigned best = __reduce_max_sync(full, lane_max);
+      int mine = 0x7fffffff;
+#pragma unroll
+      for (int i = EPL - 1; i >= 0; --i)
+        if (rk[i] == best) mine = lane + lanes * i;
+      // Validation guarantees a candidate remains (best != 0); -1 would mark none.
+      const int wi = best != 0u ? __reduce_min_sync(full, mine) : -1;
       if (wi >= 0 && lane == wi % lanes) {
-        avail &= ~(1u << (wi / lanes));
-        routing_detail::lane_best<EPL>(key, avail, lane, bv, bi);
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+          if (i == wi / lanes) rk[i] = 0u;
       }
+      const float w = wi >= 0 ? s_score[warp][wi] : 0.0f;
       sum = portable::add_rn(sum, w);  // selection order, as the reference renormalizes
       if (lane == j) {
         my_weight = w;
