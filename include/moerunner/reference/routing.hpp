@@ -51,6 +51,8 @@ inline void validate_topk_args(const topk_config& cfg, int num_experts, const ch
              "routing supports at most 512 experts, got " + std::to_string(num_experts));
   MOE_EXPECT(std::isfinite(cfg.routed_scaling_factor) && cfg.routed_scaling_factor > 0.0f, where,
              "routed_scaling_factor must be finite and positive");
+  MOE_EXPECT(cfg.num_expert_group >= 0, where,
+             "num_expert_group must be at least 0 (0: no grouping), got " + std::to_string(cfg.num_expert_group));
   if (cfg.num_expert_group > 0) {
     MOE_EXPECT(num_experts % cfg.num_expert_group == 0, where,
                "num_expert_group must divide num_experts (" + std::to_string(num_experts) + "), got " +
