@@ -7,8 +7,8 @@
 //     gate_up / up_only (GEMM1): A row r = x[row_to_slot[r] / k], epilogue = activation -> act [R, I]
 //     down (GEMM2): A = act rows [R, I] in row order, epilogue = plain store -> rows [R, H]
 //
-// Written by hand rather than with CUTLASS because the A gather, the gate/up pairing in
-// registers and the device-side tile schedule all live inside the mainloop and epilogue.
+// Written by hand rather than with CUTLASS because the A gather, the gate/up pairing inside
+// one CTA tile and the device-side tile schedule all live inside the mainloop and epilogue.
 #pragma once
 
 #if !defined(__CUDACC__)

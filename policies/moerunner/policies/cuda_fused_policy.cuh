@@ -4,8 +4,9 @@
 // Pipeline, all on the caller's stream:
 //   routing plan (device counts, offsets, slot order; -1 ids skipped)
 //   -> M-tile schedule from the device-side expert offsets (one small block)
-//   -> GEMM1: rows gathered from x inside the load (no permuted copy), times w13[e]^T; the
-//      epilogue pairs gate column i with up column I+i in registers and writes act [R, I]
+//   -> GEMM1: rows gathered from x inside the load (no permuted copy), times w13[e]^T; each
+//      CTA loads the gate rows and the up rows of the same columns, so its epilogue pairs gate
+//      column i with up column I+i, applies the activation in f32 and writes act [R, I]
 //      (apply_router_weight_on_input scales the f32 accumulators: act(W(w x)) = act(w (W x)))
 //   -> GEMM2: act [R, I] times w2[e]^T -> rows [R, H]
 //   -> combine_rows: each token's k rows times its router weight (unless applied on the input)
@@ -18,14 +19,20 @@
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
-//   - hidden_size and intermediate_size are multiples of 8 (16-byte vector loads along K
-//     and paired stores along N); any other size works, including ones that are not
-//     multiples of the GEMM tiles;
+//   - hidden_size and intermediate_size are multiples of 8 (16-byte loads along K and
+//     16-byte stores along N); within that any size works, multiples of the GEMM tiles or not;
 //   - hidden_states, w13 and w2 start on 16-byte boundaries (cudaMalloc gives 256);
 //   - num_tokens * top_k fits in 32 bits.
-// The workspace needs no particular alignment: run aligns its pieces itself.
-// An expert id outside [-1, num_local_experts) is handled by the routing plan, which flags
-// it on the device (plan.error_flag); checking it would need a host round trip.
+// The workspace needs no particular alignment: run aligns its pieces itself. The output
+// needs none either (combine falls back to scalar stores).
+// An expert id outside [-1, num_local_experts) counts as -1 (the slot contributes nothing) and
+// sets the routing plan's device-side error flag; rejecting it on the host would need a round
+// trip, which a graph-capturable backend cannot make (cublas_grouped makes it and rejects).
+//
+// Known limits: at most gpu::plan_max_experts local experts (the routing plan's bound); a
+// tile of 128 rows per expert even at decode, where each active expert's weights are then
+// streamed by only ceil(N / 128) CTAs (no split-K yet); mma.sync on Hopper too (a wgmma/TMA
+// path would take its own tuning and selector entry).
 #pragma once
 
 #if !defined(__CUDACC__)
