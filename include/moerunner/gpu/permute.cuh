@@ -6,6 +6,7 @@
 #error "moerunner/gpu/permute.cuh needs nvcc: include it from a .cu file"
 #endif
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -68,6 +69,7 @@ inline routing_plan build_routing_plan(const tensor_view& topk_ids, int num_expe
   a.ids = topk_ids.ptr<const std::int32_t>();
   a.num_slots = slots;
   a.num_experts = num_experts;
+  a.key_bits = std::bit_width(static_cast<unsigned>(num_experts));  // id + 1 lies in [0, E]
   a.offsets = plan.expert_offsets;
   a.row_to_slot = plan.row_to_slot;
   a.slot_to_row = plan.slot_to_row;

@@ -59,6 +59,10 @@ inline void topk(const tensor_view& router_logits, const tensor_view* correction
   // Keeping every group drops nothing, so the group ranking is skipped (same result).
   p.num_groups = cfg.num_expert_group > 0 && cfg.topk_group < cfg.num_expert_group ? cfg.num_expert_group : 0;
   p.topk_group = cfg.topk_group;
+  if (p.num_groups > 0) {
+    const std::uint64_t per = static_cast<std::uint64_t>(p.num_experts / p.num_groups);
+    p.group_magic = ((std::uint64_t{1} << 32) + per - 1) / per;  // exact e / per while e * per < 2^32
+  }
   p.routed_scaling = cfg.routed_scaling_factor;
   p.scoring = cfg.scoring;
   p.renormalize = cfg.renormalize;

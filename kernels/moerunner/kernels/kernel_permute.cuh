@@ -1,12 +1,14 @@
 // Device code that builds a routing_plan (gpu/routing_plan.hpp) from topk_ids: per-expert
 // counts and offsets, rows sorted by (expert, slot), and the inverse map.
 //
-// Ranking: each warp owns a contiguous run of slots and walks it 32 slots at a time;
-// __match_any_sync groups the lanes that hold the same expert, so one leader per expert
-// bumps the warp's running count in shared memory. That gives every slot its stable rank
-// among earlier slots of its expert in one pass, where a block radix sort on 10-bit keys
-// would take three. The per-expert prefix over warps and tiles, and the offsets, are CUB
-// scans; the result does not depend on scheduling, so the plan is deterministic.
+// Ranking: each warp owns a contiguous run of slots and walks it 32 slots at a time. The
+// lanes holding the same expert are found with one ballot per bit of the id (match.any
+// serializes on the number of distinct values, and a chunk of slots holds many), so one
+// leader per expert bumps the warp's running count in shared memory. That gives every slot
+// its stable rank among earlier slots of its expert in one pass, where a block radix sort on
+// 11-bit keys would take three. The prefixes over warps and tiles, and the offsets, are
+// scans (CUB for the block and warp scans); nothing depends on scheduling, so the plan is
+// deterministic.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -27,6 +29,7 @@ inline constexpr int plan_warps = plan_threads / 32;
 inline constexpr int plan_experts_per_thread = gpu::plan_max_experts / plan_threads;
 inline constexpr int plan_tile_items = static_cast<int>(gpu::plan_tile_slots / plan_threads);
 inline constexpr int plan_scan_threads = 1024;
+inline constexpr int plan_scan_batch = 4;  // experts and 32-tile chunks each warp of the scan loads at once
 static_assert(gpu::plan_max_experts % plan_threads == 0, "experts must split evenly over the block scan");
 static_assert(plan_tile_items * plan_threads == gpu::plan_tile_slots, "a tile is a whole number of slots per thread");
 static_assert(gpu::plan_single_tile_slots == 16 * plan_threads, "the single-tile kernel's largest variant has 16 items");
@@ -36,6 +39,7 @@ struct plan_args {
   const std::int32_t* ids = nullptr;  // [num_slots]
   std::int64_t num_slots = 0;
   int num_experts = 0;
+  int key_bits = 0;                      // bits of (id + 1) for ids in [-1, E]
   int num_tiles = 0;                     // tiled path only
   std::int32_t* offsets = nullptr;       // [E + 1]
   std::int32_t* row_to_slot = nullptr;   // [num_slots]
@@ -58,6 +62,18 @@ __device__ __forceinline__ int load_key(const plan_args& a, std::int64_t slot, b
   return -1;
 }
 
+// The lanes whose key equals this lane's (keys in [-1, 2^bits - 1)), one ballot per bit.
+__device__ __forceinline__ unsigned peer_lanes(int key, int bits) {
+  const unsigned v = static_cast<unsigned>(key + 1);
+  unsigned peers = full_mask;
+  for (int b = 0; b < bits; ++b) {
+    const bool set = ((v >> b) & 1u) != 0u;
+    const unsigned votes = __ballot_sync(full_mask, set);
+    peers &= set ? votes : ~votes;
+  }
+  return peers;
+}
+
 // Warp w of the block owns slots [first, first + ITEMS * 32) with first = tile_begin + w * ITEMS * 32,
 // lane l item c being slot first + c * 32 + l. On return rank[c] is the slot's rank among the
 // warp's earlier slots of the same expert and warp_count[w * E + e] the warp's count of expert e
@@ -70,32 +86,37 @@ __device__ __forceinline__ bool rank_warp_slots(const plan_args& a, std::int64_t
   bool bad = false;
 #pragma unroll
   for (int c = 0; c < ITEMS; ++c) key[c] = load_key(a, first + c * 32 + lane, bad);
+  unsigned peers[ITEMS];
+#pragma unroll
+  for (int c = 0; c < ITEMS; ++c) peers[c] = peer_lanes(key[c], a.key_bits);
   int* counts = warp_count + warp * a.num_experts;
   const unsigned lower_lanes = (1u << lane) - 1u;
 #pragma unroll
   for (int c = 0; c < ITEMS; ++c) {
-    const unsigned peers = __match_any_sync(full_mask, key[c]);
-    const int leader = __ffs(peers) - 1;
+    const int leader = __ffs(peers[c]) - 1;
     int base = 0;
     if (key[c] >= 0 && lane == leader) {
       base = counts[key[c]];
-      counts[key[c]] = base + __popc(peers);
+      counts[key[c]] = base + __popc(peers[c]);
     }
     base = __shfl_sync(full_mask, base, leader);
     __syncwarp();  // the next chunk's leader for this expert may be another lane
-    rank[c] = base + __popc(peers & lower_lanes);
+    rank[c] = base + __popc(peers[c] & lower_lanes);
   }
   return bad;
 }
 
-// Turns warp_count[w * E + e] into base_e + (count of expert e in warps before w); returns the tile's count.
+// Turns warp_count[w * E + e] into base + (count of expert e in warps before w); returns the
+// tile's count of e. The loads are issued together, ahead of the stores.
 __device__ __forceinline__ int prefix_over_warps(int* warp_count, int num_experts, int e, int base) {
+  int c[plan_warps];
+#pragma unroll
+  for (int w = 0; w < plan_warps; ++w) c[w] = warp_count[w * num_experts + e];
   int run = base;
 #pragma unroll
   for (int w = 0; w < plan_warps; ++w) {
-    const int c = warp_count[w * num_experts + e];
     warp_count[w * num_experts + e] = run;
-    run += c;
+    run += c[w];
   }
   return run - base;
 }
@@ -143,7 +164,10 @@ __global__ void __launch_bounds__(plan_threads) build_plan_single_tile_kernel(pl
 #pragma unroll
   for (int q = 0; q < EPT; ++q) {
     const int e = tid * EPT + q;
-    count[q] = e < E ? permute_detail::prefix_over_warps(s_warp_count, E, e, 0) : 0;
+    count[q] = 0;
+    if (e < E)
+#pragma unroll
+      for (int w = 0; w < plan_warps; ++w) count[q] += s_warp_count[w * E + e];
   }
   int valid = 0;
   block_scan(s_scan).ExclusiveSum(count, offset, valid);
@@ -152,8 +176,7 @@ __global__ void __launch_bounds__(plan_threads) build_plan_single_tile_kernel(pl
     const int e = tid * EPT + q;
     if (e >= E) continue;
     a.offsets[e] = offset[q];
-#pragma unroll
-    for (int w = 0; w < plan_warps; ++w) s_warp_count[w * E + e] += offset[q];
+    permute_detail::prefix_over_warps(s_warp_count, E, e, offset[q]);
   }
   if (tid == 0) a.offsets[E] = valid;
   __syncthreads();
@@ -171,12 +194,14 @@ __global__ void __launch_bounds__(plan_threads) plan_count_kernel(plan_args a) {
   __syncthreads();
   const std::int64_t tile_begin = static_cast<std::int64_t>(blockIdx.x) * gpu::plan_tile_slots;
   bool bad = false;
+  int key[plan_tile_items];
+#pragma unroll
+  for (int c = 0; c < plan_tile_items; ++c) key[c] = permute_detail::load_key(a, tile_begin + c * plan_threads + tid, bad);
 #pragma unroll
   for (int c = 0; c < plan_tile_items; ++c) {
-    const int key = permute_detail::load_key(a, tile_begin + c * plan_threads + tid, bad);
     // One shared atomic per expert per warp, so a tile routed to a single expert does not serialize.
-    const unsigned peers = __match_any_sync(permute_detail::full_mask, key);
-    if (key >= 0 && lane == __ffs(peers) - 1) atomicAdd(&s_count[key], __popc(peers));
+    const unsigned peers = permute_detail::peer_lanes(key[c], a.key_bits);
+    if (key[c] >= 0 && lane == __ffs(peers) - 1) atomicAdd(&s_count[key[c]], __popc(peers));
   }
   const int any_bad = __syncthreads_or(bad);
   for (int e = tid; e < E; e += plan_threads)
@@ -185,30 +210,46 @@ __global__ void __launch_bounds__(plan_threads) plan_count_kernel(plan_args a) {
 }
 
 // Tiled path, step 2 of 3 (one block): per expert, the exclusive prefix of its counts over
-// tiles (one warp per expert); then the expert offsets and the error flag.
+// tiles (a warp per expert, several experts' loads in flight at once); then the expert
+// offsets and the error flag.
 __global__ void __launch_bounds__(plan_scan_threads, 1) plan_scan_kernel(plan_args a) {
   using warp_scan = cub::WarpScan<int>;
   using block_scan = cub::BlockScan<int, plan_scan_threads>;
-  constexpr int warps = plan_scan_threads / 32;
+  constexpr int warps = plan_scan_threads / 32, B = plan_scan_batch;
   __shared__ typename warp_scan::TempStorage s_warp[warps];
   __shared__ typename block_scan::TempStorage s_block;
   __shared__ int s_total[plan_scan_threads];
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const int E = a.num_experts, T = a.num_tiles;
 
-  for (int e = warp; e < E; e += warps) {
-    std::int32_t* counts = a.tile_counts + static_cast<std::int64_t>(e) * T;
-    int carry = 0;
-    for (int t0 = 0; t0 < T; t0 += 32) {
-      const int t = t0 + lane;
-      const int c = t < T ? counts[t] : 0;
-      int before = 0, chunk_total = 0;
-      warp_scan(s_warp[warp]).ExclusiveSum(c, before, chunk_total);
-      __syncwarp();
-      if (t < T) counts[t] = carry + before;
-      carry += chunk_total;
+  for (int e0 = warp * B; e0 < E; e0 += warps * B) {
+    int carry[B];
+#pragma unroll
+    for (int x = 0; x < B; ++x) carry[x] = 0;
+    for (int t0 = 0; t0 < T; t0 += 32 * B) {
+      int c[B][B];  // [expert][chunk]
+#pragma unroll
+      for (int x = 0; x < B; ++x)
+#pragma unroll
+        for (int y = 0; y < B; ++y) {
+          const int e = e0 + x, t = t0 + 32 * y + lane;
+          c[x][y] = e < E && t < T ? a.tile_counts[static_cast<std::int64_t>(e) * T + t] : 0;
+        }
+#pragma unroll
+      for (int x = 0; x < B; ++x)
+#pragma unroll
+        for (int y = 0; y < B; ++y) {
+          const int e = e0 + x, t = t0 + 32 * y + lane;
+          int before = 0, chunk_total = 0;
+          warp_scan(s_warp[warp]).ExclusiveSum(c[x][y], before, chunk_total);
+          __syncwarp();
+          if (e < E && t < T) a.tile_counts[static_cast<std::int64_t>(e) * T + t] = carry[x] + before;
+          carry[x] += chunk_total;
+        }
     }
-    if (lane == 0) s_total[e] = carry;
+#pragma unroll
+    for (int x = 0; x < B; ++x)
+      if (lane == 0 && e0 + x < E) s_total[e0 + x] = carry[x];
   }
   if (tid >= E) s_total[tid] = 0;
   bool bad = false;

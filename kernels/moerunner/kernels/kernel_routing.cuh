@@ -1,8 +1,8 @@
 // Device code for top-k routing: one warp per token, lane l holding experts l, l+32, ...
 //
 // The arithmetic follows routing/topk_rules.hpp step for step (portable exp and sigmoid,
-// the warp-order softmax sum, ranks_before for every comparison), so ids and weights are
-// bit-identical to reference::route_token.
+// the warp-order softmax sum without NaN terms, the ranks_before order for every comparison),
+// so ids and weights are bit-identical to reference::route_token.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -30,6 +30,7 @@ struct topk_params {
   int top_k = 0;
   int num_groups = 0;  // 0 when grouping cannot drop any expert
   int topk_group = 0;
+  std::uint64_t group_magic = 0;  // ceil(2^32 / (E / num_groups)): expert e's group is (e * magic) >> 32
   float routed_scaling = 1.0f;
   scoring_func scoring = scoring_func::softmax;
   bool renormalize = false;
@@ -73,9 +74,9 @@ __device__ __forceinline__ unsigned kept_group_experts(const float (&key)[EPL], 
     if ((avail >> i) & 1u) s_key[lane + routing::warp_lanes * i] = key[i];
   __syncwarp();
 
-  int sub = 1;
-  while (sub * 2 * G <= routing::warp_lanes) sub *= 2;
-  const int g = lane / sub, part = lane % sub;
+  int sub_log = 0;  // each group is scanned by sub = 2^sub_log lanes
+  while ((2 << sub_log) * G <= routing::warp_lanes) ++sub_log;
+  const int sub = 1 << sub_log, g = lane >> sub_log, part = lane & (sub - 1);
   unsigned r1 = 0, r2 = 0;
   int b1 = -1, b2 = -1;
   if (g < G) {
@@ -127,7 +128,8 @@ __device__ __forceinline__ unsigned kept_group_experts(const float (&key)[EPL], 
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
     const int e = lane + routing::warp_lanes * i;
-    if (((avail >> i) & 1u) && ((kept_lanes >> ((e / per) * sub)) & 1u)) kept |= 1u << i;
+    const auto group = static_cast<int>((static_cast<std::uint64_t>(e) * p.group_magic) >> 32);  // e / per
+    if (((avail >> i) & 1u) && ((kept_lanes >> (group << sub_log)) & 1u)) kept |= 1u << i;
   }
   return kept;
 }
@@ -150,17 +152,22 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
   for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * topk_warps_per_block + warp; t < p.num_tokens;
        t += static_cast<std::int64_t>(gridDim.x) * topk_warps_per_block) {
     const T* row = logits + t * E;
-    float score[EPL], key[EPL];
+    float score[EPL], key[EPL], bias[EPL];
     unsigned avail = 0;
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
+    for (int i = 0; i < EPL; ++i) {  // logits and bias loaded together, ahead of any arithmetic
       const int e = lane + lanes * i;
       score[i] = 0.0f;
+      bias[i] = 0.0f;
       if (e < E) {
-        score[i] = routing::score(to_f32(row[e]), p.scoring);
+        score[i] = to_f32(row[e]);
+        if (p.bias != nullptr) bias[i] = p.bias[e];
         avail |= 1u << i;
       }
     }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i)
+      if ((avail >> i) & 1u) score[i] = routing::score(score[i], p.scoring);
 
     if (p.scoring == scoring_func::softmax) {
       float mx = -INFINITY;  // fmaxf skips NaN, as the reference's max does
@@ -174,7 +181,7 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
       for (int i = 0; i < EPL; ++i)
         if ((avail >> i) & 1u) {
           score[i] = portable::exp(portable::add_rn(score[i], -mx));
-          sum = portable::add_rn(sum, score[i]);
+          if (score[i] == score[i]) sum = portable::add_rn(sum, score[i]);  // NaN terms are left out
         }
       for (int off = lanes / 2; off > 0; off /= 2) sum = portable::add_rn(sum, __shfl_xor_sync(full, sum, off));
       sum = __shfl_sync(full, sum, 0);
@@ -185,8 +192,7 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
 
 #pragma unroll
     for (int i = 0; i < EPL; ++i)
-      key[i] = (p.bias != nullptr && ((avail >> i) & 1u)) ? portable::add_rn(score[i], p.bias[lane + lanes * i])
-                                                          : score[i];
+      key[i] = (p.bias != nullptr && ((avail >> i) & 1u)) ? portable::add_rn(score[i], bias[i]) : score[i];
     // The winners' unbiased scores are read back from shared memory by every lane.
 #pragma unroll
     for (int i = 0; i < EPL; ++i)
@@ -198,24 +204,21 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
     unsigned rk[EPL];
 #pragma unroll
     for (int i = 0; i < EPL; ++i) rk[i] = ((avail >> i) & 1u) ? routing_detail::rank_key(key[i]) : 0u;
+    unsigned taken = 0;  // a bit mask, not writes into rk[], keeps rk[] in registers
     float sum = 0.0f, my_weight = 0.0f;
     int my_id = -1;
     for (int j = 0; j < k; ++j) {
       unsigned lane_max = 0;
 #pragma unroll
-      for (int i = 0; i < EPL; ++i) lane_max = max(lane_max, rk[i]);
+      for (int i = 0; i < EPL; ++i) lane_max = max(lane_max, ((taken >> i) & 1u) ? 0u : rk[i]);
       const unsigned best = __reduce_max_sync(full, lane_max);
       int mine = 0x7fffffff;
 #pragma unroll
       for (int i = EPL - 1; i >= 0; --i)
-        if (rk[i] == best) mine = lane + lanes * i;
+        if (!((taken >> i) & 1u) && rk[i] == best) mine = lane + lanes * i;
       // Validation guarantees a candidate remains (best != 0); -1 would mark none.
       const int wi = best != 0u ? __reduce_min_sync(full, mine) : -1;
-      if (wi >= 0 && lane == wi % lanes) {
-#pragma unroll
-        for (int i = 0; i < EPL; ++i)
-          if (i == wi / lanes) rk[i] = 0u;
-      }
+      if (wi >= 0 && lane == wi % lanes) taken |= 1u << (wi / lanes);
       const float w = wi >= 0 ? s_score[warp][wi] : 0.0f;
       sum = portable::add_rn(sum, w);  // selection order, as the reference renormalizes
       if (lane == j) {
