@@ -23,6 +23,9 @@
 # Exit status: 0 when every step that ran passed.
 set -uo pipefail
 
+# The whole script is one compound command, so bash parses all of it before running any:
+# editing or updating the checkout during a run cannot change what this run does.
+{
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out_dir=${OUT:-$root/build-device/run}
 results=""
@@ -148,7 +151,10 @@ if has_step test; then
     t=$(step_timeout 150 200)
     out_of_time "test-$suite" "$t" && continue
     note "test: meson test --suite $suite (up to ${t}s)"
-    timeout "$t" "${meson[@]}" test -C "$build" --suite "$suite" --print-errorlogs > "$logs/test-$suite.log" 2>&1
+    rm -f "$build/meson-logs/testlog.json"
+    # --no-rebuild: the build step owns compiling, so a slow build cannot eat the tests' time.
+    timeout "$t" "${meson[@]}" test -C "$build" --no-rebuild --suite "$suite" --print-errorlogs \
+      > "$logs/test-$suite.log" 2>&1
     rc=$?
     cp "$build/meson-logs/testlog.json" "$logs/testlog-$suite.json" 2>/dev/null || true
     counts=$(python3 - "$logs/testlog-$suite.json" <<'PY'
@@ -268,7 +274,7 @@ if lines:
     backends = list(dict.fromkeys(l["backend"] for l in cells))
     keys = list(dict.fromkeys((l["shape"], l["tokens"]) for l in cells))
     by = {(l["backend"], l["shape"], l["tokens"]): l for l in cells}
-    head = f"{'shape':<15} {'tokens':>6}" + "".join(f" | {b[:18]:>18} ms  floor%   err" for b in backends)
+    head = f"{'shape':<15} {'tokens':>6}" + "".join(f" | {b[:18]:>18} ms {'floor%':>6} {'err':>7}" for b in backends)
     print("\n" + head)
     print("-" * len(head))
     for shape, tokens in keys:
@@ -290,3 +296,4 @@ if [[ $pack -eq 1 ]]; then
 fi
 cat "$out_dir/summary.txt"
 exit $overall
+}
