@@ -68,14 +68,61 @@ static_assert(check_grouped_gemm_tuning(sm90_gemm_policy::tuning));
 static_assert(sm80_gemm_policy::tuning.block_m == sm90_gemm_policy::tuning.block_m);
 inline constexpr int moe_gemm_block_m = sm80_gemm_policy::tuning.block_m;
 
+// Hopper, wgmma path (sm_90a only): a producer warpgroup fills a ring of K tiles (B by TMA,
+// gathered A rows by cp.async) and consumer warpgroups of 64 rows each run wgmma.mma_async
+// on them; the accumulators stay in registers through the epilogue.
+struct wgmma_gemm_tuning {
+  int block_m;              // rows of a tile; consumer_warpgroups * 64
+  int block_n;              // B rows of a tile (one wgmma N); gated GEMM1: half gate, half up
+  int block_k;              // elements; 64 bf16/f16 = one 128-byte swizzle row
+  int consumer_warpgroups;  // each owns 64 rows of the tile
+  int stages;               // shared-memory ring depth
+  int producer_lag;         // K tiles of A copies a producer thread keeps in flight before it signals
+  int min_arch;
+
+  constexpr int threads() const { return 128 * (1 + consumer_warpgroups); }
+  constexpr int stage_bytes() const { return (block_m + block_n) * block_k * 2; }
+  // The ring, plus slack to align it to the 1024 bytes a 128-byte swizzle pattern repeats over.
+  constexpr int smem_bytes() const { return stages * stage_bytes() + 1024; }
+  friend constexpr bool operator==(const wgmma_gemm_tuning&, const wgmma_gemm_tuning&) = default;
+};
+
+consteval bool check_wgmma_gemm_tuning(wgmma_gemm_tuning t) {
+  if (t.block_k != 64) throw "block_k must be 64: one K tile row is one 128-byte swizzle row";
+  if (t.consumer_warpgroups < 1 || t.consumer_warpgroups > 2) throw "one or two consumer warpgroups";
+  if (t.block_m != 64 * t.consumer_warpgroups) throw "each consumer warpgroup owns 64 rows (the wgmma M)";
+  if (t.block_n != 256) throw "block_n must be 256: one m64n256k16 wgmma, two 128-row TMA boxes";
+  // Each of the 128 producer threads copies whole 8-row swizzle groups of one 16-byte column.
+  if ((t.block_m * t.block_k / 8) % 128 != 0) throw "the A tile must split evenly over 128 producer threads";
+  if (t.producer_lag < 0 || t.producer_lag > t.stages - 2)
+    throw "producer_lag must leave two stages for the consumers (else producer and consumers wait on each other)";
+  if (t.smem_bytes() > 227 * 1024) throw "the ring does not fit in shared memory";
+  if (t.min_arch != 90) throw "wgmma needs sm_90a";
+  return true;
+}
+
+struct sm90_wgmma_gemm_policy {
+  static constexpr wgmma_gemm_tuning tuning{.block_m = 128,
+                                            .block_n = 256,
+                                            .block_k = 64,
+                                            .consumer_warpgroups = 2,
+                                            .stages = 4,
+                                            .producer_lag = 2,
+                                            .min_arch = 90};
+};
+static_assert(check_wgmma_gemm_tuning(sm90_wgmma_gemm_policy::tuning));
+static_assert(sm90_wgmma_gemm_policy::tuning.block_m == moe_gemm_block_m);
+
 // Which tuning a run uses: the selector's choice for the device, or one forced (tests, benchmarks).
-enum class gemm_tuning_choice : std::uint8_t { automatic, sm80, sm90 };
+// sm90_wgmma is opt-in for now: the selector never picks it.
+enum class gemm_tuning_choice : std::uint8_t { automatic, sm80, sm90, sm90_wgmma };
 
 constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
   switch (c) {
     case gemm_tuning_choice::automatic: return "automatic";
     case gemm_tuning_choice::sm80: return "sm80";
     case gemm_tuning_choice::sm90: return "sm90";
+    case gemm_tuning_choice::sm90_wgmma: return "sm90_wgmma";
   }
   return "?";
 }
@@ -88,7 +135,11 @@ constexpr gemm_tuning_choice select_gemm_tuning(int code_arch) {
 }
 
 constexpr int gemm_tuning_min_arch(gemm_tuning_choice c) {
-  return c == gemm_tuning_choice::sm90 ? sm90_gemm_policy::tuning.min_arch : sm80_gemm_policy::tuning.min_arch;
+  switch (c) {
+    case gemm_tuning_choice::sm90: return sm90_gemm_policy::tuning.min_arch;
+    case gemm_tuning_choice::sm90_wgmma: return sm90_wgmma_gemm_policy::tuning.min_arch;
+    default: return sm80_gemm_policy::tuning.min_arch;
+  }
 }
 
 // One M tile of the grouped GEMM: rows [row_begin, row_end) of expert `expert` in

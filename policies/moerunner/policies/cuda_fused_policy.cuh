@@ -16,6 +16,8 @@
 // reaches the host: no allocation and no host synchronization inside a run, which makes it
 // CUDA-graph capturable. The GEMM tuning is picked by gpu::select_gemm_tuning from the
 // architecture of the code the device runs (sm_90a code: the sm90 tuning; sm_80 code: sm80).
+// set_gemm_tuning(gpu::gemm_tuning_choice::sm90_wgmma) opts into the Hopper wgmma + TMA
+// GEMMs (sm_90a code only; the selector does not pick them yet).
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
@@ -31,8 +33,8 @@
 //
 // Known limits: at most gpu::plan_max_experts local experts (the routing plan's bound); a
 // tile of 128 rows per expert even at decode, where each active expert's weights are then
-// streamed by only ceil(N / 128) CTAs (no split-K yet); mma.sync on Hopper too (a wgmma/TMA
-// path would take its own tuning and selector entry).
+// streamed by only ceil(N / 128) CTAs (no split-K yet); mma.sync on Hopper by default (the
+// wgmma/TMA tuning is opt-in until it has been validated and measured on a device).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -59,6 +61,7 @@
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/gpu/permute.cuh"
 #include "moerunner/gpu/routing_plan.hpp"
+#include "moerunner/gpu/sm90_grouped_gemm_wgmma.cuh"
 #include "moerunner/runner/validate.hpp"
 
 namespace moerunner {
@@ -127,12 +130,27 @@ class cuda_fused_policy {
                               " or newer; this device (sm_" + std::to_string(dev.arch) +
                               ") runs code compiled for sm_" + std::to_string(dev.code_arch));
 
+    if (choice == gpu::gemm_tuning_choice::sm90_wgmma && !gpu::wgmma_gemm_available(dev))
+      throw unsupported_error(std::string(where) + ": GEMM tuning 'sm90_wgmma' needs code compiled for sm_90a; " +
+                              "this device (sm_" + std::to_string(dev.arch) + ") runs code compiled for sm_" +
+                              std::to_string(dev.code_arch) + " without it");
+
     const bool bf16 = type == dtype::bf16;
-    const bool sm90 = choice == gpu::gemm_tuning_choice::sm90;
-    if (bf16 && sm90) run_pipeline<__nv_bfloat16, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, stream_ref.get());
-    else if (bf16) run_pipeline<__nv_bfloat16, gpu::sm80_gemm_policy>(d, q, out, ws, lay, dev, stream_ref.get());
-    else if (sm90) run_pipeline<__half, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, stream_ref.get());
-    else run_pipeline<__half, gpu::sm80_gemm_policy>(d, q, out, ws, lay, dev, stream_ref.get());
+    const cudaStream_t s = stream_ref.get();
+    switch (choice) {
+      case gpu::gemm_tuning_choice::sm90_wgmma:
+        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s);
+        else run_pipeline<__half, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s);
+        break;
+      case gpu::gemm_tuning_choice::sm90:
+        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, s);
+        else run_pipeline<__half, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, s);
+        break;
+      default:
+        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm80_gemm_policy>(d, q, out, ws, lay, dev, s);
+        else run_pipeline<__half, gpu::sm80_gemm_policy>(d, q, out, ws, lay, dev, s);
+        break;
+    }
     return result;
   }
 
@@ -166,10 +184,18 @@ class cuda_fused_policy {
     return p;
   }
 
+  template <class T, class GemmPolicy, kernels::moe_gemm_kind Kind>
+  void launch_gemm(const kernels::moe_gemm_params<T>& g, const gpu::tile_schedule& schedule,
+                   const gpu::device_facts& dev, cudaStream_t stream) const {
+    if constexpr (std::is_same_v<GemmPolicy, gpu::sm90_wgmma_gemm_policy>)
+      gpu::launch_moe_gemm_wgmma<T, Kind>(g, cfg_.num_local_experts(), schedule, dev, stream);
+    else gpu::launch_moe_gemm<T, GemmPolicy, Kind>(g, schedule, dev, stream);
+  }
+
   template <class T, class GemmPolicy>
   void run_pipeline(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
                     workspace_view ws, const pieces& lay, const gpu::device_facts& dev, cudaStream_t stream) {
-    constexpr gpu::grouped_gemm_tuning tuning = GemmPolicy::tuning;
+    constexpr auto tuning = GemmPolicy::tuning;
     static_assert(tuning.block_m == gpu::moe_gemm_block_m, "the workspace is sized for one M-tile schedule");
     const std::int64_t m = d.num_tokens();
     const int k = cfg_.top_k(), hidden = cfg_.hidden_size(), inter = cfg_.intermediate_size();
@@ -197,8 +223,8 @@ class cuda_fused_policy {
     g1.c = act;
     g1.input_weights = cfg_.apply_router_weight_on_input() ? weights : nullptr;
     g1.act = cfg_.act();
-    if (cfg_.is_gated()) gpu::launch_moe_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream);
-    else gpu::launch_moe_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream);
+    if (cfg_.is_gated()) launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream);
+    else launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream);
 
     kernels::moe_gemm_params<T> g2{};
     g2.a = act;
@@ -209,7 +235,7 @@ class cuda_fused_policy {
     g2.k = inter;
     g2.c = rows;
     g2.act = cfg_.act();
-    gpu::launch_moe_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream);
+    launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream);
 
     const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
     gpu::combine_rows(rows, d.hidden_states.type, plan, cfg_.apply_router_weight_on_input() ? nullptr : weights,

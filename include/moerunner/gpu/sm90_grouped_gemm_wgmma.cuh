@@ -1,0 +1,138 @@
+// Host launch code of the fused backend's Hopper wgmma grouped GEMMs (the opt-in
+// sm90_wgmma tuning): encodes the weights' TMA descriptor for each launch (a host-only
+// call, no stream work, so a run stays graph-capturable), checks that the device runs
+// sm_90a code, and launches one persistent CTA per SM over the same M-tile schedule as
+// the mma.sync kernels.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/gpu/sm90_grouped_gemm_wgmma.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include "moerunner/core/error.hpp"
+#include "moerunner/gpu/cuda_check.hpp"
+#include "moerunner/gpu/grouped_gemm.cuh"
+#include "moerunner/gpu/grouped_gemm_tuning.hpp"
+#include "moerunner/kernels/sm90_kernel_grouped_gemm_wgmma.cuh"
+
+namespace moerunner::gpu {
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point, so that nothing links libcuda.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || f == nullptr)
+      throw unsupported_error("gpu::tensor_map_encoder: the CUDA driver has no cuTensorMapEncodeTiled (needs 12.0+)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// The weights [E, rows_per_expert, k] as a 3D map [E * rows_per_expert / n, n, k], so that
+// a box never crosses from gate rows into up rows or into the next expert: rows past n and
+// columns past k read as zeros. Boxes are 128 rows x 64 elements (128 bytes, one swizzle row).
+template <class T>
+CUtensorMap weight_tensor_map(const T* b, std::int64_t rows_per_expert, int n, int k, int num_experts) {
+  constexpr const char* where = "gpu::weight_tensor_map";
+  MOE_EXPECT(n > 0 && rows_per_expert % n == 0, where, "rows per expert must be a whole number of n-row blocks");
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(n),
+                              static_cast<cuuint64_t>(rows_per_expert / n) * static_cast<cuuint64_t>(num_experts)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(k) * sizeof(T),
+                                 static_cast<cuuint64_t>(n) * static_cast<cuuint64_t>(k) * sizeof(T)};
+  const cuuint32_t box[3] = {64, 128, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  constexpr CUtensorMapDataType type = std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  CUtensorMap map{};
+  const CUresult r = tensor_map_encoder()(&map, type, 3, const_cast<T*>(b), dims, strides, box, element_strides,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw cuda_error(std::string(where) + ": cuTensorMapEncodeTiled failed with CUresult " + std::to_string(r) +
+                     " (k=" + std::to_string(k) + ", n=" + std::to_string(n) + ")");
+  return map;
+}
+
+// Whether the device runs code that holds the wgmma kernel's body: only sm_90a images do,
+// and the compute capability cannot tell an sm_90a image from an sm_90 one; the body's
+// barriers are its only static shared memory, so a trap-only image reports none.
+inline bool wgmma_gemm_available(const device_facts& dev) {
+  constexpr int cached_devices = 64;
+  static std::array<std::atomic<int>, cached_devices> cache{};  // 0 unknown, 1 no, 2 yes
+  if (dev.device >= 0 && dev.device < cached_devices) {
+    if (const int a = cache[dev.device].load(std::memory_order_relaxed); a > 0) return a == 2;
+  }
+  bool ok = false;
+  if (dev.arch >= 90 && dev.code_arch >= 90) {
+    cudaFuncAttributes attr{};
+    MOE_CUDA_CHECK(cudaFuncGetAttributes(
+        &attr, kernels::moe_grouped_gemm_wgmma_kernel<__nv_bfloat16, sm90_wgmma_gemm_policy,
+                                                      kernels::moe_gemm_kind::down>));
+    ok = attr.sharedSizeBytes > 0;
+  }
+  if (dev.device >= 0 && dev.device < cached_devices) cache[dev.device].store(ok ? 2 : 1, std::memory_order_relaxed);
+  return ok;
+}
+
+// Raises the kernel's dynamic shared memory limit on the device (once) and checks that a CTA fits.
+template <class T, kernels::moe_gemm_kind Kind>
+void prepare_wgmma_gemm(int device) {
+  constexpr wgmma_gemm_tuning tuning = sm90_wgmma_gemm_policy::tuning;
+  constexpr int cached_devices = 64;
+  static std::array<std::atomic<bool>, cached_devices> done{};
+  if (device >= 0 && device < cached_devices && done[device].load(std::memory_order_relaxed)) return;
+  const auto kernel = kernels::moe_grouped_gemm_wgmma_kernel<T, sm90_wgmma_gemm_policy, Kind>;
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tuning.smem_bytes()));
+  int n = 0;
+  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, tuning.threads(), tuning.smem_bytes()));
+  MOE_EXPECT(n > 0, "gpu::launch_moe_gemm_wgmma",
+             "the wgmma GEMM does not fit on this device (" + std::to_string(tuning.smem_bytes()) +
+                 " bytes of shared memory per CTA)");
+  if (device >= 0 && device < cached_devices) done[device].store(true, std::memory_order_relaxed);
+}
+
+// Launches one grouped GEMM of the sm90_wgmma tuning; `p.tiles`, `p.tile_count` and
+// `p.n_tiles` are filled here from `schedule`, as launch_moe_gemm does.
+template <class T, kernels::moe_gemm_kind Kind>
+void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const tile_schedule& schedule,
+                           const device_facts& dev, cudaStream_t stream) {
+  constexpr const char* where = "gpu::launch_moe_gemm_wgmma";
+  using policy = sm90_wgmma_gemm_policy;
+  constexpr wgmma_gemm_tuning tuning = policy::tuning;
+  MOE_EXPECT(schedule.block_m == tuning.block_m, where, "the tile schedule was built for another block_m");
+  if (!wgmma_gemm_available(dev))
+    throw unsupported_error(std::string(where) + ": the sm90_wgmma tuning needs code compiled for sm_90a; this device (sm_" +
+                            std::to_string(dev.arch) + ") runs code compiled for sm_" + std::to_string(dev.code_arch) +
+                            " without it");
+  MOE_EXPECT(p.k > 0 && p.k % 8 == 0 && p.n > 0 && p.n % 8 == 0, where,
+             "the GEMM's n and k must be positive multiples of 8");
+  if (schedule.capacity == 0) return;
+  const CUtensorMap map = weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts);
+  prepare_wgmma_gemm<T, Kind>(dev.device);
+  constexpr int cols = kernels::moe_gemm_wgmma<T, policy, Kind>::out_cols;
+  const std::int64_t n_tiles = (p.n + cols - 1) / cols;
+  const std::int64_t work_bound = schedule.capacity * n_tiles;
+  const auto grid = static_cast<unsigned>(std::min<std::int64_t>({work_bound, dev.sm_count, 0x7fffffff}));
+  p.tiles = schedule.tiles;
+  p.tile_count = schedule.count;
+  p.n_tiles = static_cast<int>(n_tiles);
+  kernels::moe_grouped_gemm_wgmma_kernel<T, policy, Kind><<<grid, tuning.threads(), tuning.smem_bytes(), stream>>>(p, map);
+  MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_kernel");
+}
+
+}  // namespace moerunner::gpu

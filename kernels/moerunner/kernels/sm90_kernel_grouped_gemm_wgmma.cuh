@@ -1,0 +1,403 @@
+// Device code of the fused backend's Hopper grouped GEMMs on wgmma.mma_async (sm_90a only):
+// a warp-specialized, persistent kernel over the same M-tile schedule and work-item order
+// as moe_grouped_gemm_kernel, with the same epilogues (gate_up, up_only, down).
+//
+// One CTA = one producer warpgroup + `consumer_warpgroups` consumer warpgroups:
+//   producer: per K tile, thread 0 loads the 256 B rows by TMA (two 128-row boxes, 128-byte
+//     swizzle, zero fill past n and k); all 128 threads copy the gathered A rows with 16-byte
+//     cp.async into the same 128-byte-swizzled layout (zero fill past the tile's rows and past
+//     k). A is gathered (row r of the tile is x[row_to_slot[r] / top_k]), which one 2D TMA
+//     box cannot express, and 128 one-row boxes per K tile would serialize on one thread.
+//   consumers: each owns 64 rows and runs four m64n256k16 wgmma per K tile straight from the
+//     shared-memory ring; the f32 accumulators stay in registers and the epilogue pairs gate
+//     column j (register block j) with up column j (block j + 16) in the same thread.
+// Stage hand-off uses mbarriers: full[s] completes when the 128 producer threads have arrived
+// (each after its copies landed and were fenced for the async proxy) and the TMA bytes came;
+// empty[s] completes when every consumer warp's wgmma reading stage s has retired.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/kernels/sm90_kernel_grouped_gemm_wgmma.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <cstdint>
+
+#include <cuda.h>
+#include <cuda/ptx>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "moerunner/gpu/grouped_gemm_tuning.hpp"
+#include "moerunner/kernels/activation_math.cuh"
+#include "moerunner/kernels/kernel_grouped_gemm.cuh"
+
+// wgmma, setmaxnreg and the 128-byte-swizzle descriptors exist only in sm_90a code.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOERUNNER_WGMMA_COMPILED 1
+#else
+#define MOERUNNER_WGMMA_COMPILED 0
+#endif
+
+namespace moerunner::kernels {
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers (sm_90a)
+
+template <class T>
+struct wgmma_m64n256k16;
+
+template <>
+struct wgmma_m64n256k16<__nv_bfloat16> {
+  __device__ __forceinline__ static void run(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b) {
+#if MOERUNNER_WGMMA_COMPILED
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "%128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+#else
+    (void)d, (void)desc_a, (void)desc_b;
+    __trap();
+#endif
+  }
+};
+
+template <>
+struct wgmma_m64n256k16<__half> {
+  __device__ __forceinline__ static void run(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b) {
+#if MOERUNNER_WGMMA_COMPILED
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "%128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+#else
+    (void)d, (void)desc_a, (void)desc_b;
+    __trap();
+#endif
+  }
+};
+
+__device__ __forceinline__ void wgmma_fence() {
+#if MOERUNNER_WGMMA_COMPILED
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#if MOERUNNER_WGMMA_COMPILED
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+template <int Pending>
+__device__ __forceinline__ void wgmma_wait() {
+#if MOERUNNER_WGMMA_COMPILED
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
+#endif
+}
+
+// Keeps the compiler from moving reads or writes of the accumulators across a wgmma wait:
+// the asm operands of an issued wgmma look written at issue, but are written at retirement.
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int Regs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if MOERUNNER_WGMMA_COMPILED
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Regs));
+#endif
+}
+
+template <int Regs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if MOERUNNER_WGMMA_COMPILED
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Regs));
+#endif
+}
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle layout: rows of
+// 128 bytes (64 elements of K), 8-row groups 1024 bytes apart (stride byte offset), the group
+// base 1024-byte aligned (base offset 0); the leading byte offset is unused because one wgmma
+// reads K 16 elements = 32 bytes, inside a row. Stepping K by 16 inside the 64-element row
+// adds 32 bytes to the start address: the hardware applies the XOR swizzle to the full address.
+__device__ __forceinline__ std::uint64_t sw128_kmajor_desc(std::uint32_t smem_addr) {
+  constexpr std::uint64_t leading_byte_offset = 16 >> 4;
+  constexpr std::uint64_t stride_byte_offset = 1024 >> 4;
+  constexpr std::uint64_t swizzle_128b = 1;
+  return static_cast<std::uint64_t>((smem_addr & 0x3ffff) >> 4) | (leading_byte_offset << 16) |
+         (stride_byte_offset << 32) | (swizzle_128b << 62);
+}
+
+__device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, std::uint32_t parity) {
+  while (!cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel
+
+template <class T, class Policy, moe_gemm_kind Kind>
+struct moe_gemm_wgmma {
+  static constexpr gpu::wgmma_gemm_tuning tuning = Policy::tuning;
+  static constexpr int bm = tuning.block_m, bn = tuning.block_n, bk = tuning.block_k, stages = tuning.stages;
+  static constexpr int consumers = tuning.consumer_warpgroups;
+  static constexpr int producer_threads = 128;
+  static constexpr int consumer_warps = 4 * consumers;
+  static constexpr int halves = Kind == moe_gemm_kind::gate_up ? 2 : 1;
+  static constexpr int out_cols = bn / halves;  // output columns per CTA
+  static constexpr int box_rows = 128;          // one TMA box: 128 B rows x 64 K
+  static constexpr int a_bytes = bm * bk * 2, b_bytes = bn * bk * 2;
+  static constexpr int chunks_per_row = bk / 8;                            // 16-byte chunks
+  static constexpr int rows_per_pass = producer_threads / chunks_per_row;  // 16
+  static constexpr int a_passes = bm / rows_per_pass;
+  static constexpr int k_steps = bk / 16;  // wgmma per K tile
+  // Registers: the producer needs few; consumers hold 128 accumulators each.
+  static constexpr int producer_regs = 56, consumer_regs = 216;
+
+  static_assert(gpu::check_wgmma_gemm_tuning(tuning));
+  static_assert(sizeof(T) == 2, "the tile layout is written for 16-bit elements");
+  static_assert(bn == 2 * box_rows, "B comes as two TMA boxes");
+  static_assert(a_bytes % 1024 == 0 && b_bytes % 1024 == 0, "every tile starts on a swizzle-pattern boundary");
+  static_assert(rows_per_pass % 8 == 0, "a producer thread's rows share their row % 8 (one swizzled chunk)");
+  static_assert(producer_threads * producer_regs + consumers * 128 * consumer_regs <= 65536,
+                "the register split must fit the SM's register file");
+
+  struct barriers {
+    std::uint64_t full[stages];
+    std::uint64_t empty[stages];
+  };
+
+  // The tile's 256 B rows as two boxes of the [E * halves, n, K] tensor map: for gate_up the 128
+  // gate rows of columns n0.. (z = 2e) then the 128 up rows of the same columns (z = 2e + 1), so
+  // the up value of a column sits 128 rows below its gate value; otherwise rows n0 and n0 + 128.
+  __device__ __forceinline__ static void load_b(const CUtensorMap* map, std::uint64_t* bar, unsigned char* sb,
+                                                int k0, int n0, int expert) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const std::int32_t coords[3] = {k0, halves == 2 ? n0 : n0 + j * box_rows,
+                                      halves == 2 ? 2 * expert + j : expert};
+      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sb + j * box_rows * bk * 2,
+                                      map, coords, bar);
+    }
+  }
+
+  __device__ static void producer(const moe_gemm_params<T>& p, const CUtensorMap* b_map, unsigned char* ring,
+                                  barriers& bars) {
+    const int tid = threadIdx.x;  // 0..127
+    const int ld_row = tid / chunks_per_row, ld_chunk = tid % chunks_per_row;
+    // All rows this thread copies are congruent mod 8, so the swizzled chunk is the same for all.
+    const int st_chunk = ld_chunk ^ (ld_row & 7);
+    const int k_tiles = (p.k + bk - 1) / bk;
+    const std::int64_t work = static_cast<std::int64_t>(*p.tile_count) * p.n_tiles;
+    std::uint32_t it = 0;  // K tiles issued so far, over every work item of this CTA
+    for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+      const int m_tile = static_cast<int>(w / p.n_tiles);
+      const int n0 = static_cast<int>(w % p.n_tiles) * out_cols;
+      const gpu::moe_m_tile tile = p.tiles[m_tile];
+      const int rows = tile.row_end - tile.row_begin;
+      int a_src_row[a_passes];
+#pragma unroll
+      for (int i = 0; i < a_passes; ++i) {
+        const int r = ld_row + i * rows_per_pass;
+        if (r >= rows) a_src_row[i] = -1;
+        else if constexpr (Kind == moe_gemm_kind::down) a_src_row[i] = tile.row_begin + r;
+        else a_src_row[i] = p.row_to_slot[tile.row_begin + r] / p.top_k;
+      }
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int stage = static_cast<int>(it % stages);
+        // A fresh barrier counts as having completed the phase before its first (parity 1).
+        mbarrier_wait(&bars.empty[stage], ((it / stages) & 1) ^ 1);
+        unsigned char* sa = ring + stage * tuning.stage_bytes();
+        if (tid == 0) {
+          cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
+                                               &bars.full[stage], static_cast<std::uint32_t>(b_bytes));
+          load_b(b_map, &bars.full[stage], sa + a_bytes, kt * bk, n0, tile.expert);
+        }
+        const int kcol = kt * bk + ld_chunk * 8;
+        const bool k_ok = kcol < p.k;  // k is a multiple of 8: a chunk is wholly in or out
+#pragma unroll
+        for (int i = 0; i < a_passes; ++i) {
+          const int r = ld_row + i * rows_per_pass;
+          const bool ok = k_ok && a_src_row[i] >= 0;
+          const T* src = ok ? p.a + static_cast<std::int64_t>(a_src_row[i]) * p.k + kcol : p.a;
+          cp_async_16(smem_address(sa + r * (bk * 2) + st_chunk * 16), src, ok);
+        }
+        cp_async_commit();
+        // Signal the stage issued producer_lag tiles ago: its copies have landed (wait_group),
+        // and the fence orders them before the consumers' wgmma reads (async proxy).
+        if (it >= static_cast<std::uint32_t>(tuning.producer_lag)) {
+          cp_async_wait<tuning.producer_lag>();
+          cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+          cuda::ptx::mbarrier_arrive(&bars.full[(it - tuning.producer_lag) % stages]);
+        }
+      }
+    }
+    cp_async_wait<0>();
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+    const std::uint32_t first = it > static_cast<std::uint32_t>(tuning.producer_lag) ? it - tuning.producer_lag : 0;
+    for (std::uint32_t j = first; j < it; ++j) cuda::ptx::mbarrier_arrive(&bars.full[j % stages]);
+  }
+
+  __device__ static void consumer(const moe_gemm_params<T>& p, unsigned char* ring, barriers& bars) {
+    const int group = threadIdx.x / 128 - 1;  // consumer warpgroup: rows [64 group, 64 group + 64)
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int k_tiles = (p.k + bk - 1) / bk;
+    const std::int64_t work = static_cast<std::int64_t>(*p.tile_count) * p.n_tiles;
+    const std::uint32_t ring_addr = smem_address(ring);
+    std::uint32_t it = 0;
+    float acc[128];
+    for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+      const int m_tile = static_cast<int>(w / p.n_tiles);
+      const int n0 = static_cast<int>(w % p.n_tiles) * out_cols;
+      const gpu::moe_m_tile tile = p.tiles[m_tile];
+      const int rows = tile.row_end - tile.row_begin;
+      // A warpgroup whose 64 rows are all past the tile still keeps the barrier protocol.
+      const bool active = 64 * group < rows;
+#pragma unroll
+      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+      wgmma_fence_operands(acc);
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int stage = static_cast<int>(it % stages);
+        mbarrier_wait(&bars.full[stage], (it / stages) & 1);
+        if (active) {
+          const std::uint32_t sa = ring_addr + stage * tuning.stage_bytes() + group * 64 * (bk * 2);
+          const std::uint32_t sb = ring_addr + stage * tuning.stage_bytes() + a_bytes;
+          const std::uint64_t da = sw128_kmajor_desc(sa), db = sw128_kmajor_desc(sb);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < k_steps; ++kk)
+            wgmma_m64n256k16<T>::run(acc, da + static_cast<std::uint64_t>(kk * 32 >> 4),
+                                     db + static_cast<std::uint64_t>(kk * 32 >> 4));
+          wgmma_commit();
+        }
+        // One wgmma group stays in flight; the one before it has retired, so its stage is free.
+        wgmma_wait<1>();
+        wgmma_fence_operands(acc);
+        if (kt > 0 && lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
+      }
+      wgmma_wait<0>();
+      wgmma_fence_operands(acc);
+      if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
+      if (active) epilogue(p, tile, n0, group, warp, lane, acc);
+    }
+  }
+
+  // Accumulator register 4j + 2h + q of a thread holds row 16 warp + lane / 4 + 8h of its
+  // warpgroup's 64 rows and B-tile column 8j + 2(lane % 4) + q (the PTX m64nNk16 D layout);
+  // so for gate_up the up value of gate register 4j + 2h + q is register 4(j + 16) + 2h + q.
+  __device__ __forceinline__ static void epilogue(const moe_gemm_params<T>& p, const gpu::moe_m_tile& tile, int n0,
+                                                  int group, int warp, int lane, float (&acc)[128]) {
+    const int rows = tile.row_end - tile.row_begin;
+    const int col0 = n0 + 2 * (lane % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 64 * group + 16 * warp + lane / 4 + 8 * h;
+      if (r >= rows) continue;
+      const int row = tile.row_begin + r;
+      T* out = p.c + static_cast<std::int64_t>(row) * p.n;
+      if constexpr (Kind == moe_gemm_kind::down) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          const int col = col0 + 8 * j;  // n is a multiple of 8: a pair is wholly in or out
+          if (col < p.n)
+            *reinterpret_cast<std::uint32_t*>(out + col) =
+                mma_16816<T>::pack2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+      } else {
+        // act(W (w x)) = act(w (W x)): the router weight scales the f32 accumulators instead of x.
+        const float scale = p.input_weights != nullptr ? p.input_weights[p.row_to_slot[row]] : 1.0f;
+        constexpr int col_blocks = Kind == moe_gemm_kind::gate_up ? 16 : 32;
+#pragma unroll
+        for (int j = 0; j < col_blocks; ++j) {
+          const int col = col0 + 8 * j;
+          if (col >= p.n) continue;
+          float v[2];
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const float g = acc[4 * j + 2 * h + q] * scale;
+            if constexpr (Kind == moe_gemm_kind::gate_up)
+              v[q] = apply_activation(p.act, true, g, acc[4 * (j + 16) + 2 * h + q] * scale);
+            else v[q] = apply_activation(p.act, false, g, 0.0f);
+          }
+          *reinterpret_cast<std::uint32_t*>(out + col) = mma_16816<T>::pack2(v[0], v[1]);
+        }
+      }
+    }
+  }
+};
+
+// Persistent CTAs over work items w = m_tile * n_tiles + n_tile (N fastest), as the mma.sync
+// kernel. The body exists only in sm_90a code; elsewhere it traps, and its static shared
+// memory is then zero, which is how the launch code tells that it cannot run (see
+// gpu::wgmma_gemm_available).
+template <class T, class Policy, moe_gemm_kind Kind>
+__global__ void __launch_bounds__(Policy::tuning.threads(), 1)
+    moe_grouped_gemm_wgmma_kernel(const moe_gemm_params<T> p, const __grid_constant__ CUtensorMap b_map) {
+#if MOERUNNER_WGMMA_COMPILED
+  using tile_t = moe_gemm_wgmma<T, Policy, Kind>;
+  __shared__ typename tile_t::barriers bars;
+  extern __shared__ unsigned char wgmma_smem_raw[];
+  // The 128-byte swizzle repeats every 1024 bytes, and TMA and the descriptors assume tiles on
+  // those boundaries; dynamic smem is only promised 16-byte alignment.
+  const std::uint32_t raw = smem_address(wgmma_smem_raw);
+  unsigned char* ring = wgmma_smem_raw + (((raw + 1023) & ~1023u) - raw);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < tile_t::stages; ++s) {
+      // Producer threads each arrive once, and thread 0 once more with the TMA byte count.
+      cuda::ptx::mbarrier_init(&bars.full[s], tile_t::producer_threads + 1);
+      cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps);
+    }
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+  }
+  __syncthreads();
+  if (threadIdx.x < tile_t::producer_threads) {
+    setmaxnreg_dec<tile_t::producer_regs>();
+    tile_t::producer(p, &b_map, ring, bars);
+  } else {
+    setmaxnreg_inc<tile_t::consumer_regs>();
+    tile_t::consumer(p, ring, bars);
+  }
+#else
+  (void)p, (void)b_map;
+  __trap();
+#endif
+}
+
+}  // namespace moerunner::kernels
