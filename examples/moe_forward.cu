@@ -21,6 +21,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "moerunner/moerunner.hpp"
@@ -166,6 +167,7 @@ struct device_buffer {
   explicit device_buffer(std::size_t bytes) {
     if (bytes) MOE_CUDA_CHECK(cudaMalloc(&ptr, bytes));
   }
+  device_buffer(device_buffer&& other) noexcept : ptr(std::exchange(other.ptr, nullptr)) {}
   device_buffer(const device_buffer&) = delete;
   device_buffer& operator=(const device_buffer&) = delete;
   ~device_buffer() { cudaFree(ptr); }

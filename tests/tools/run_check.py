@@ -7,6 +7,8 @@
 --contains TEXT   TEXT must appear in stdout+stderr (whitespace runs compare equal).
 --include HEADER  writes a translation unit that includes HEADER twice (so a missing
                   include guard shows) and replaces @SRC@ in CMD with its path.
+--snippet FILE:N  writes the N-th ```cpp block of the Markdown FILE as the translation
+                  unit instead (documentation that must keep compiling).
 Exit status: 0 when every expectation holds, 1 otherwise.
 """
 import argparse
@@ -29,6 +31,7 @@ def main():
     parser.add_argument("--exit", default="0")
     parser.add_argument("--contains", action="append", default=[])
     parser.add_argument("--include")
+    parser.add_argument("--snippet")
     parser.add_argument("--suffix", default=".cpp")
     opts = parser.parse_args(sys.argv[1:split])
     cmd = sys.argv[split + 1:]
@@ -40,6 +43,16 @@ def main():
             src = os.path.join(tmp, "header_alone" + opts.suffix)
             with open(src, "w") as f:
                 f.write('#include "{0}"\n#include "{0}"\n'.format(opts.include))
+            cmd = [a.replace("@SRC@", src) for a in cmd]
+        elif opts.snippet:
+            path, index = opts.snippet.rsplit(":", 1)
+            with open(path) as f:
+                blocks = re.findall(r"^```cpp\n(.*?)^```", f.read(), re.S | re.M)
+            if int(index) >= len(blocks):
+                sys.exit("run_check.py: {} has no ```cpp block {}".format(path, index))
+            src = os.path.join(tmp, "snippet" + opts.suffix)
+            with open(src, "w") as f:
+                f.write(blocks[int(index)])
             cmd = [a.replace("@SRC@", src) for a in cmd]
         cmd = [a.replace("@TMP@", tmp) for a in cmd]
         print("$ " + " ".join(cmd), flush=True)
