@@ -3,7 +3,10 @@
 //
 //   moe_bench --out results.jsonl --commit $(git rev-parse --short HEAD)
 //             [--shapes Mixtral-8x7B,DeepSeek-V3,Qwen3-30B-A3B] [--tokens 1,8,64,512,4096,16384]
-//             [--backends cuda_fused,cublas_grouped]
+//             [--backends cuda_fused,cublas_grouped,cuda_fused_wgmma]
+//
+// cuda_fused_wgmma is cuda_fused with its opt-in sm90_wgmma GEMM tuning forced (set_gemm_tuning);
+// it is in the default list only where the device runs sm_90a code.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -21,7 +24,7 @@
 //
 // Correctness per cell, max_rel_err = the largest per-token ||out_t - check_t|| / ||check_t||:
 // for M <= 64 against the CPU reference backend on up to 3 tokens ("check": "reference_cpu"),
-// above that against the other GPU backend's full output ("check": "vs_<backend>"). Every cell
+// above that against the first other GPU backend's full output ("check": "vs_<backend>"). Every cell
 // also reports ref_rel_err, the same measure against the CPU reference on up to 3 tokens. A NaN
 // or inf anywhere in the output makes max_rel_err null in the JSON and "NaN" in the table; a
 // cell over 2e-2 on either measure counts as failed.
@@ -44,6 +47,7 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -69,6 +73,21 @@ namespace {
 
 // The GPU backends under test: a compile-time list, each picked by name through MoeRunner.
 using bench_runner = mr::MoeRunner<mr::cuda_fused_policy, mr::cublas_grouped_policy>;
+
+// A benchmark row that runs a built-in backend with a non-default setting: label, backend, tuning.
+struct backend_variant {
+  std::string_view label, backend;
+  mr::gpu::gemm_tuning_choice tuning;
+};
+constexpr backend_variant backend_variants[] = {
+    {"cuda_fused_wgmma", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma},
+};
+
+const backend_variant* find_variant(std::string_view label) {
+  for (const auto& v : backend_variants)
+    if (v.label == label) return &v;
+  return nullptr;
+}
 
 template <class R>
 struct policy_names;
@@ -492,7 +511,14 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
   res.backend = name;
   try {
     const mr::MoeRunnerConfig cfg({.num_experts = sh.e, .hidden_size = sh.h, .intermediate_size = sh.i, .top_k = sh.k});
-    bench_runner runner(name, cfg);
+    const backend_variant* variant = find_variant(name);
+    bench_runner runner(variant != nullptr ? std::string(variant->backend) : name, cfg);
+    if (variant != nullptr) {
+      runner.visit([&](auto& core) {
+        if constexpr (requires { core.set_gemm_tuning(variant->tuning); }) core.set_gemm_tuning(variant->tuning);
+        else throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
+      });
+    }
     const bool capturable = runner.visit([](const auto& core) {
       using P = std::decay_t<decltype(core)>;
       if constexpr (requires { P::graph_capturable; }) return static_cast<bool>(P::graph_capturable);
@@ -562,7 +588,7 @@ options parse_args(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: moe_bench [--out FILE.jsonl] [--commit SHA] [--shapes A,B] [--tokens 1,8,...] "
-                   "[--backends cuda_fused,cublas_grouped]\n");
+                   "[--backends cuda_fused,cublas_grouped,cuda_fused_wgmma]\n");
       std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
   }
@@ -584,7 +610,12 @@ int main(int argc, char** argv) {
   cudaStream_t s = nullptr;
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
 
-  std::vector<std::string> backends = opt.backends.empty() ? policy_names<bench_runner>::get() : opt.backends;
+  std::vector<std::string> backends = opt.backends;
+  if (backends.empty()) {
+    backends = policy_names<bench_runner>::get();
+    if (mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts()))
+      for (const auto& v : backend_variants) backends.emplace_back(v.label);
+  }
   std::vector<shape_desc> shapes;
   for (const auto& sh : default_shapes)
     if (opt.shapes.empty() || std::find(opt.shapes.begin(), opt.shapes.end(), sh.name) != opt.shapes.end())
@@ -608,7 +639,7 @@ int main(int argc, char** argv) {
         << ",\"dtype\":\"bf16\",\"routing\":\"softmax top-k, renormalized, f32 logits U(-4,4)\"}\n";
   jsonl.flush();
 
-  std::printf("%-15s %-15s %6s %10s %10s %7s %9s %9s %11s %-18s %9s %10s %s\n", "backend", "shape", "tokens", "ms",
+  std::printf("%-16s %-15s %6s %10s %10s %7s %9s %9s %11s %-18s %9s %10s %s\n", "backend", "shape", "tokens", "ms",
               "floor_ms", "floor%", "TFLOP/s", "GB/s", "max_rel_err", "check", "ref_err", "routing_ms", "timing");
   int failures = 0;
   for (const auto& sh : shapes) {
@@ -698,7 +729,7 @@ int main(int argc, char** argv) {
       for (const auto& r : results) {
         if (!r.ok) {
           ++failures;
-          std::printf("%-15s %-15s %6d  FAILED: %s\n", r.backend.c_str(), sh.name.c_str(), tokens, r.error.c_str());
+          std::printf("%-16s %-15s %6d  FAILED: %s\n", r.backend.c_str(), sh.name.c_str(), tokens, r.error.c_str());
           jsonl << "{\"backend\":" << json_string(r.backend) << ",\"shape\":" << json_string(sh.name)
                 << ",\"tokens\":" << tokens << ",\"ms\":null,\"error\":" << json_string(r.error) << "}\n";
           continue;
@@ -713,7 +744,7 @@ int main(int argc, char** argv) {
         const bool check_ok = std::isfinite(r.max_rel_err) && r.max_rel_err <= max_rel_err_limit &&
                               std::isfinite(r.ref_rel_err) && r.ref_rel_err <= max_rel_err_limit;
         if (!check_ok) ++failures;
-        std::printf("%-15s %-15s %6d %10.4f %10.4f %6.1f%% %9.1f %9.1f %11s %-18s %9s %10.4f %s%s\n",
+        std::printf("%-16s %-15s %6d %10.4f %10.4f %6.1f%% %9.1f %9.1f %11s %-18s %9s %10.4f %s%s\n",
                     r.backend.c_str(), sh.name.c_str(), tokens, r.ms, floor_ms, 100.0 * frac, tflops, gbps, err,
                     r.check.c_str(), ref_err, route_ms, r.timing.c_str(), check_ok ? "" : "  CHECK FAILED");
         jsonl << "{\"backend\":" << json_string(r.backend) << ",\"shape\":" << json_string(sh.name)

@@ -1,6 +1,6 @@
 // The cuda_fused backend against the CPU reference on fresh random data, run through
-// MoeRunner<reference_policy, cuda_fused_policy>, with both GEMM tunings where the GPU
-// runs both (the sm80 one is forced on Hopper), plus what is particular to it: sizes that
+// MoeRunner<reference_policy, cuda_fused_policy>, with every GEMM tuning the GPU runs (the
+// sm80 one and the opt-in sm90_wgmma one are forced on Hopper), plus what is particular to it: sizes that
 // are not multiples of its tiles, a misaligned workspace, its own requirement checks,
 // and CUDA-graph capture.
 //
@@ -195,10 +195,14 @@ struct on_device {
   }
 };
 
-// Tunings to run on this GPU: its own, and the sm80 one as well where sm_90a code runs.
+// Tunings to run on this GPU: its own, the sm80 one as well where sm_90a code runs, and the
+// opt-in wgmma one where the device runs sm_90a code.
 std::vector<tuning> tunings() {
-  if (mr::gpu::current_device_facts().code_arch >= 90) return {tuning::automatic, tuning::sm80};
-  return {tuning::automatic};
+  const mr::gpu::device_facts dev = mr::gpu::current_device_facts();
+  std::vector<tuning> t = {tuning::automatic};
+  if (dev.code_arch >= 90) t.push_back(tuning::sm80);
+  if (mr::gpu::wgmma_gemm_available(dev)) t.push_back(tuning::sm90_wgmma);
+  return t;
 }
 
 // Compares a run (output poisoned with NaN beforehand) with the reference: every element
@@ -303,6 +307,9 @@ TEST_CASE("cuda_fused matches the reference: long K loops and full tiles") {
   for (mr::dtype t : both_types) {
     check_case({64, 4, 2, 1024, 512}, t);
     check_case({200, 8, 2, 256, 128}, t, {.act = mr::activation_kind::gelu});
+    // Several N tiles with a partial last one in both GEMMs (wgmma: 128 act and 256 output columns per tile).
+    check_case({300, 8, 2, 520, 264}, t);
+    check_case({300, 8, 2, 520, 264}, t, {.gated = false});
   }
 }
 
@@ -360,10 +367,11 @@ TEST_CASE("cuda_fused keeps a NaN inside its token") {
   }
 }
 
-TEST_CASE("cuda_fused is deterministic and replays from a CUDA graph") {
+namespace {
+void check_determinism_and_graph(tuning tu) {
   std::mt19937 rng(std::random_device{}());
   problem p({257, 16, 4, odd_h, odd_i}, mr::dtype::bf16, {}, rng);
-  on_device g(p, tuning::automatic);
+  on_device g(p, tu);
   g.fill_out(0xff);
   g.launch(p, nullptr);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -393,6 +401,14 @@ TEST_CASE("cuda_fused is deterministic and replays from a CUDA graph") {
   MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
   MOE_CUDA_CHECK(cudaGraphDestroy(graph));
   MOE_CUDA_CHECK(cudaStreamDestroy(s));
+}
+}  // namespace
+
+TEST_CASE("cuda_fused is deterministic and replays from a CUDA graph") {
+  for (tuning tu : tunings()) {
+    CAPTURE(std::string(mr::gpu::gemm_tuning_name(tu)));
+    check_determinism_and_graph(tu);
+  }
 }
 
 namespace {
@@ -486,6 +502,16 @@ TEST_CASE("cuda_fused refuses what it cannot run, with a clear error, writing no
       s.runner->visit([](auto& core) {
         if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>)
           core.set_gemm_tuning(tuning::sm90);
+      });
+      expect_refusal<mr::unsupported_error>(s, "needs code compiled for sm_90");
+    }
+  }
+  SUBCASE("the wgmma tuning without sm_90a code") {
+    if (!mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts())) {
+      raw_setup s(64, 32, mr::dtype::bf16, mr::dtype::bf16);
+      s.runner->visit([](auto& core) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>)
+          core.set_gemm_tuning(tuning::sm90_wgmma);
       });
       expect_refusal<mr::unsupported_error>(s, "needs code compiled for sm_90");
     }
