@@ -126,7 +126,7 @@ std::array<const void*, num_threads> thread_keys(std::integer_sequence<int, I...
 }  // namespace
 
 TEST_CASE("16 threads registering and resolving concurrently leave a consistent registry") {
-  for (int trial = 0; trial < 5; ++trial) {
+  for (int trial = 0; trial < 20; ++trial) {
     CAPTURE(trial);
     mr::backend_registry reg;
     std::latch start(num_threads);
