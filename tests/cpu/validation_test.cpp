@@ -546,6 +546,15 @@ TEST_CASE("run rejects fp8 hidden states without proper scales, and a non-bf16 o
       "hidden_scales dimension 1 must be 1, got shape [3, 2]");
   expect_ref_error([&](rf& f, rc& c) { fp8_input(f, c); c.out = f.out.view; },
                    "output must be bf16 to match hidden_states, got f32");
+  // A bf16 output written over an fp8 input would run past the input's end.
+  auto inplace = run_params;
+  inplace.inplace = true;
+  expect_ref_error(
+      [&](rf& f, rc& c) {
+        fp8_input(f, c);
+        c.out.data = c.d.hidden_states.data;
+      },
+      "inplace needs hidden_states of the output's dtype, got f8_e4m3", inplace);
 }
 
 TEST_CASE("run rejects unquantized weights of the wrong shape, place or type") {

@@ -49,6 +49,9 @@ inline void validate_dispatch(const MoeRunnerConfig& cfg, const DispatchOutput& 
                  std::string(dtype_name(out.type)));
   if (cfg.inplace()) {
     MOE_EXPECT(out.data == x.data, where, "inplace is set but output does not alias hidden_states");
+    // An fp8 input is narrower than its bf16 output: writing over it would run past its end.
+    MOE_EXPECT(x.type == out.type, where, "inplace needs hidden_states of the output's dtype, got " +
+                                              std::string(dtype_name(x.type)));
   } else if (m > 0) {
     const auto* o0 = static_cast<const char*>(out.data);
     const auto* x0 = static_cast<const char*>(x.data);
