@@ -127,7 +127,7 @@ if has_step build; then
   if [[ -d "$build" && "$(cat "$build/.header_sum" 2>/dev/null)" != "$header_sum" ]]; then
     find "$build" -name '*.cu.o' -delete
   fi
-  t=$(step_timeout 330 240)
+  t=$(step_timeout 330 150)
   note "build: meson setup + ninja (archs $archs, up to ${t}s)"
   {
     if [[ -f "$build/build.ninja" ]]; then  # the native file is kept from the first setup
@@ -148,7 +148,7 @@ fi
 # ---------------------------------------------------------------- tests
 if has_step test; then
   for suite in gpu cpu; do
-    t=$(step_timeout 150 200)
+    t=$(step_timeout 150 150)
     out_of_time "test-$suite" "$t" && continue
     note "test: meson test --suite $suite (up to ${t}s)"
     rm -f "$build/meson-logs/testlog.json"
@@ -177,7 +177,7 @@ fi
 
 # ---------------------------------------------------------------- compute-sanitizer
 if has_step sanitize; then
-  t=$(step_timeout 150 200)
+  t=$(step_timeout 150 60)
   if [[ -z "$sanitizer" ]]; then
     record sanitize skipped "compute-sanitizer not found"
   elif ! out_of_time sanitize "$t"; then
@@ -220,7 +220,7 @@ fi
 
 # ---------------------------------------------------------------- benchmark
 if has_step bench; then
-  t=$(step_timeout 300 90)
+  t=$(step_timeout 300 15)
   if ! out_of_time bench "$t"; then
     note "bench: moe_bench -> $results (up to ${t}s)"
     # shellcheck disable=SC2086
