@@ -11,6 +11,7 @@
 
 #include "moerunner/core/host_float.hpp"
 #include "moerunner/core/tensor_view.hpp"
+#include "moerunner/reference/routing.hpp"
 #include "moerunner/gpu/cuda_check.hpp"
 
 namespace moerunner::test {
@@ -101,16 +102,7 @@ struct device_tensor {
   }
 };
 
-inline float element(const tensor_view& t, std::int64_t i) {
-  switch (t.type) {
-    case dtype::f32: return t.ptr<const float>()[i];
-    case dtype::bf16: return host_float::bf16_to_float(t.ptr<const std::uint16_t>()[i]);
-    case dtype::f16: return host_float::half_to_float(t.ptr<const std::uint16_t>()[i]);
-    case dtype::f8_e4m3: return host_float::e4m3_to_float(t.ptr<const std::uint8_t>()[i]);
-    case dtype::i32: return static_cast<float>(t.ptr<const std::int32_t>()[i]);
-  }
-  return 0.0f;
-}
+inline float element(const tensor_view& t, std::int64_t i) { return reference::detail::load_as_float(t, i); }
 
 inline void set_element(const tensor_view& t, std::int64_t i, float v) {
   switch (t.type) {
