@@ -36,6 +36,20 @@ concept LoraCapable = requires {
   { p.run_from_dispatch(d, q, out, ws, s, h) } -> std::same_as<CombineInput>;
 };
 
+// A policy that sets supports_lora must also have the run overload taking hooks: without
+// this check it would silently count as not LoRA-capable, and a LoRA-enabled layer would
+// fail at run time far from the cause.
+template <class P>
+consteval bool explain_lora_capability() {
+  if constexpr (requires { P::supports_lora; }) {
+    static_assert(!P::supports_lora || LoraCapable<P>,
+                  "LoraCapable: the policy sets supports_lora = true but is missing `CombineInput "
+                  "run_from_dispatch(const DispatchOutput&, const unquantized_quant_info&, const tensor_view& out, "
+                  "workspace_view, cuda::stream_ref, const lora_hooks&)`.");
+  }
+  return true;
+}
+
 namespace detail {
 inline void validate_lora_weights(const lora_weights& w, const char* where) {
   for (const tensor_view* t : {&w.w13_a, &w.w13_b, &w.w2_a, &w.w2_b}) {

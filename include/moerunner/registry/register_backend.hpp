@@ -9,6 +9,7 @@
 // $<LINK_LIBRARY:WHOLE_ARCHIVE,...>) or its registrations silently vanish.
 #pragma once
 
+#include "moerunner/lora/lora.hpp"
 #include "moerunner/registry/backend_registry.hpp"
 
 #define MOERUNNER_PP_CAT_(a, b) a##b
@@ -16,6 +17,7 @@
 
 #define MOERUNNER_REGISTER_(Policy, kind)                                                                  \
   static_assert(::moerunner::explain_dispatch_runner_core<Policy>());                                     \
+  static_assert(::moerunner::explain_lora_capability<Policy>());                                         \
   static_assert(::moerunner::backend_name_problem(Policy::name).empty(),                                  \
                 "MOE_REGISTER_BACKEND: Policy::name must be non-empty, at most 63 characters, printable "   \
                 "ASCII without spaces.");                                                                  \

@@ -31,6 +31,7 @@ template <class... Policies>
 class MoeRunner {
   static_assert(sizeof...(Policies) > 0, "MoeRunner needs at least one backend policy.");
   static_assert((explain_dispatch_runner_core<Policies>() && ...));
+  static_assert((explain_lora_capability<Policies>() && ...));
   static constexpr auto policy_list = boost::hana::tuple_t<Policies...>;
   static_assert(boost::hana::length(boost::hana::to_set(policy_list)) == boost::hana::size_c<sizeof...(Policies)>,
                 "MoeRunner: a policy type is listed twice.");
