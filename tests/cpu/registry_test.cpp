@@ -136,12 +136,16 @@ TEST_CASE("registration rejects malformed names with the name, the site and the 
                        ("cannot register backend 'two words' at bad.cpp:12: " + printable).c_str(),
                        mr::registry_error);
   CHECK_THROWS_WITH_AS(reg.add<echo_policy<"tab\tname">>({"bad.cpp", 13}, kind),
-                       ("cannot register backend 'tab\tname' at bad.cpp:13: " + printable).c_str(),
+                       ("cannot register backend 'tab\\x09name' at bad.cpp:13: " + printable).c_str(),
                        mr::registry_error);
   CHECK_THROWS_WITH_AS(reg.add<echo_policy<"bell\a">>({"bad.cpp", 14}, kind),
-                       ("cannot register backend 'bell\a' at bad.cpp:14: " + printable).c_str(), mr::registry_error);
+                       ("cannot register backend 'bell\\x07' at bad.cpp:14: " + printable).c_str(), mr::registry_error);
   CHECK_THROWS_WITH_AS(reg.add<echo_policy<"caf\xc3\xa9">>({"bad.cpp", 15}, kind),
-                       ("cannot register backend 'caf\xc3\xa9' at bad.cpp:15: " + printable).c_str(),
+                       ("cannot register backend 'caf\\xc3\\xa9' at bad.cpp:15: " + printable).c_str(),
+                       mr::registry_error);
+  // A NUL inside the name must not cut the message short.
+  CHECK_THROWS_WITH_AS(reg.add<echo_policy<"nul\0name">>({"bad.cpp", 17}, kind),
+                       ("cannot register backend 'nul\\x00name' at bad.cpp:17: " + printable).c_str(),
                        mr::registry_error);
   // A malformed name is rejected on the replacement path too, before any other rule.
   CHECK_THROWS_WITH_AS(reg.add<echo_policy<" reference">>({"bad.cpp", 16}, mr::registration_kind::replace_builtin),

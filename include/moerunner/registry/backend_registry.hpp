@@ -122,7 +122,7 @@ class backend_registry {
   void add_record(backend_id id, std::string_view raw_name, const void* key, registration_site site,
                   registration_kind kind) {
     if (auto problem = backend_name_problem(raw_name); !problem.empty())
-      throw registry_error("cannot register backend '" + std::string(raw_name) + "' at " + site.str() + ": " +
+      throw registry_error("cannot register backend '" + escaped(raw_name) + "' at " + site.str() + ": " +
                            std::string(problem));
     std::unique_lock lock(mutex_);
     const bool builtin = id.is_builtin();
@@ -160,8 +160,9 @@ class backend_registry {
     throw registry_error(msg);
   }
 
-  // An unknown name comes from outside (a command line, a config file): control and
-  // non-ASCII bytes are shown as \xNN so that a NUL cannot cut what() short.
+  // A rejected name may hold any bytes (an unknown name comes from a command line or a
+  // config file): control and non-ASCII bytes are shown as \xNN so that a NUL cannot cut
+  // what() short.
   static std::string escaped(std::string_view name) {
     std::string s;
     for (char c : name) {
