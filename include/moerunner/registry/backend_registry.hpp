@@ -94,6 +94,12 @@ class backend_registry {
     return std::nullopt;
   }
 
+  // True when some registration (new backend or replacement) was made with this policy type.
+  bool has_policy_type(const void* type_key) const {
+    std::shared_lock lock(mutex_);
+    return std::any_of(records_.begin(), records_.end(), [&](const backend_record& r) { return r.type_key == type_key; });
+  }
+
   // Called by a runner once it has picked `id`; freezes built-in replacement for that name.
   void note_resolved(const backend_id& id) {
     std::unique_lock lock(mutex_);

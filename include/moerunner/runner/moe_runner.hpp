@@ -148,7 +148,7 @@ class MoeRunner {
     std::size_t found = num_policies;
     for (std::size_t i = 0; i < num_policies; ++i) {
       if (names[i] != id_.name()) continue;
-      if (record ? keys[i] == record->type_key : !registered_elsewhere(registry, keys[i])) {
+      if (record ? keys[i] == record->type_key : !registry.has_policy_type(keys[i])) {
         found = i;
         break;
       }
@@ -164,12 +164,6 @@ class MoeRunner {
     throw registry_error("backend '" + std::string(id_.name()) +
                          "' is built in but its policy is not in this runner's policy list (" + listed +
                          "); add it to MoeRunner<...>");
-  }
-
-  static bool registered_elsewhere(const backend_registry& registry, const void* key) {
-    for (const auto& id : registry.registered())
-      if (auto r = registry.lookup(id); r && r->type_key == key) return true;
-    return false;
   }
 
   MoeRunnerConfig config_;
