@@ -1,14 +1,17 @@
 // The routing kernel against reference::topk (ids and weights bit for bit), the routing
-// plan against a host counting sort, and both captured in a CUDA graph and replayed.
+// plan against a host counting sort, the plan built with the M-tile schedule against the
+// two built apart and a host tile list, and all captured in a CUDA graph and replayed.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -16,6 +19,7 @@
 
 #include "gpu_test_util.hpp"
 #include "moerunner/gpu/permute.cuh"
+#include "moerunner/gpu/plan_schedule.cuh"
 #include "moerunner/gpu/routing.cuh"
 #include "moerunner/reference/routing.hpp"
 #include "plan_test_util.hpp"
@@ -274,32 +278,48 @@ std::vector<std::int32_t> make_ids(std::int64_t m, int k, int num_experts, id_pa
   return ids;
 }
 
-}  // namespace
+constexpr id_pattern every_id_pattern[] = {id_pattern::random, id_pattern::filtered, id_pattern::one_expert,
+                                           id_pattern::two_experts, id_pattern::bad_ids};
 
-TEST_CASE("routing plan: counts, offsets, stable order and inverse match a host counting sort") {
+struct size_case {
+  std::int64_t m;
+  int k, e;
+};
+
+// Slots straddle every plan kernel variant: exactly 256, 1024 and 4096 (one block) and tiles
+// of 1024 above; E covers 1 to plan_max_experts, k 1 to 16. All on one expert, 131072 rows
+// make 2048 M tiles of 64, more than the scan kernel has threads.
+constexpr size_case plan_sizes[] = {
+    {0, 2, 8},      {0, 1, 1},       {1, 1, 1},       {1, 8, 256},      {1, 2, 1024},     {7, 2, 8},
+    {7, 8, 1024},   {7, 1, 1},       {128, 2, 8},     {128, 2, 60},     {129, 2, 60},     {256, 1, 256},
+    {32, 8, 1024},  {512, 2, 8},     {512, 2, 128},   {128, 8, 256},    {1024, 1, 1024},  {1000, 1, 8},
+    {64, 16, 512},  {513, 8, 256},   {4096, 1, 1},    {2048, 2, 256},   {512, 8, 1024},   {4097, 1, 3},
+    {4097, 1, 8},   {4097, 1, 1024}, {1000, 6, 60},   {3000, 8, 512},   {5000, 8, 256},   {20000, 2, 1024},
+    {40000, 1, 1},  {16384, 8, 8},   {16384, 8, 256}, {16384, 8, 1024}};
+
+// Calls check(ids, size) on fresh ids of every pattern for every size.
+template <class F>
+void for_each_plan_input(std::span<const size_case> sizes, F&& check) {
   const std::uint32_t seed = mr::test::test_seed();
   CAPTURE(seed);
   std::mt19937 rng(seed);
-  struct size_case {
-    std::int64_t m;
-    int k, e;
-  };
-  // Slot counts straddle every kernel variant: 256, 1024 and 4096 (one block) and tiles of 1024.
-  const size_case sizes[] = {{0, 2, 8},    {1, 1, 1},     {1, 8, 256},   {7, 2, 8},     {128, 2, 60},
-                             {129, 2, 60}, {512, 2, 128}, {1000, 1, 8},  {64, 16, 512}, {513, 8, 256},
-                             {512, 8, 1024}, {4097, 1, 3}, {1000, 6, 60}, {3000, 8, 512}, {16384, 8, 256},
-                             {16384, 8, 1024}};
   for (const auto& s : sizes)
-    for (id_pattern p : {id_pattern::random, id_pattern::filtered, id_pattern::one_expert, id_pattern::two_experts,
-                         id_pattern::bad_ids}) {
+    for (id_pattern p : every_id_pattern) {
       CAPTURE(s.m);
       CAPTURE(s.k);
       CAPTURE(s.e);
       CAPTURE(static_cast<int>(p));
-      const auto ids = make_ids(s.m, s.k, s.e, p, rng);
-      mr::test::device_plan d(ids, s.m, s.k, s.e);
-      check_plan(d, ids, s.e);
+      check(make_ids(s.m, s.k, s.e, p, rng), s);
     }
+}
+
+}  // namespace
+
+TEST_CASE("routing plan: counts, offsets, stable order and inverse match a host counting sort") {
+  for_each_plan_input(plan_sizes, [](const std::vector<std::int32_t>& ids, const size_case& s) {
+    mr::test::device_plan d(ids, s.m, s.k, s.e);
+    check_plan(d, ids, s.e);
+  });
 }
 
 TEST_CASE("routing plan: the build clears the error flag a bad batch set") {
@@ -346,6 +366,45 @@ TEST_CASE("routing plan: bad arguments throw and write nothing") {
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   for (unsigned char b : ws.download<unsigned char>(ws.bytes())) REQUIRE(b == 0x5a);
 }
+
+namespace {
+
+// run() captured once on `stream` and instantiated, to be replayed.
+class captured_run {
+ public:
+  template <class Run>
+  captured_run(cudaStream_t stream, Run&& run) : stream_(stream) {
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    run();
+    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph_));
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  captured_run(const captured_run&) = delete;
+  captured_run& operator=(const captured_run&) = delete;
+  ~captured_run() {
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+  }
+
+  void replay() const { MOE_CUDA_CHECK(cudaGraphLaunch(exec_, stream_)); }
+
+  // Checks that three replays, each after poison(), give the bits snapshot() took of a direct run.
+  template <class Poison, class Snapshot>
+  void check_replays(Poison&& poison, Snapshot&& snapshot, const std::vector<unsigned char>& direct) const {
+    for (int n = 0; n < 3; ++n) {
+      poison();
+      replay();
+      CHECK(snapshot() == direct);
+    }
+  }
+
+ private:
+  cudaStream_t stream_;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+}  // namespace
 
 TEST_CASE("topk and routing plan captured in a CUDA graph replay to the same bits") {
   const std::uint32_t seed = mr::test::test_seed();
@@ -401,24 +460,14 @@ TEST_CASE("topk and routing plan captured in a CUDA graph replay to the same bit
     poison();
     run();
     const auto direct = snapshot();
-
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    run();
-    MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int replay = 0; replay < 3; ++replay) {
-      poison();
-      MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-      CHECK(snapshot() == direct);
-    }
+    const captured_run graph(stream, run);
+    graph.check_replays(poison, snapshot, direct);
 
     // New logits in the same buffers: the replay routes them like the reference does.
     host_tensor fresh = make_logits(c, rng);
     MOE_CUDA_CHECK(cudaMemcpy(d_logits.view.data, fresh.view.data, fresh.view.bytes(), cudaMemcpyHostToDevice));
     poison();
-    MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.replay();
     MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     host_tensor ref_w(mr::dtype::f32, {g.m, g.k}), ref_ids(mr::dtype::i32, {g.m, g.k});
     mr::TopKOutput ref{ref_w.view, ref_ids.view};
@@ -433,9 +482,347 @@ TEST_CASE("topk and routing plan captured in a CUDA graph replay to the same bit
     CHECK(mr::test::device_plan::download(plan.row_to_slot, slots) == want.row_to_slot);
     CHECK(mr::test::device_plan::download(plan.slot_to_row, slots) == want.slot_to_row);
     CHECK(mr::gpu::read_plan_error(plan, stream) == 0);
+  }
+  MOE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
 
-    MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+namespace {
+
+// The M-tile schedule of a plan with these expert offsets, written out on the host: the tiles
+// of expert e follow those of the experts before it, each block_m rows but the last.
+std::vector<mr::gpu::moe_m_tile> expect_tiles(const std::vector<std::int32_t>& offsets, int block_m) {
+  std::vector<mr::gpu::moe_m_tile> tiles;
+  for (std::size_t e = 0; e + 1 < offsets.size(); ++e)
+    for (std::int32_t begin = offsets[e]; begin < offsets[e + 1]; begin += block_m)
+      tiles.push_back({static_cast<std::int32_t>(e), begin, std::min(begin + block_m, offsets[e + 1]), 0});
+  return tiles;
+}
+
+std::vector<unsigned char> download_bytes(const void* p, std::size_t n) {
+  std::vector<unsigned char> h(n);
+  if (n) MOE_CUDA_CHECK(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+std::vector<mr::gpu::moe_m_tile> download_tiles(const mr::gpu::moe_m_tile* p, std::size_t n) {
+  std::vector<mr::gpu::moe_m_tile> h(n);
+  if (n) MOE_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(mr::gpu::moe_m_tile), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+bool same_tile(const mr::gpu::moe_m_tile& a, const mr::gpu::moe_m_tile& b) {
+  return a.expert == b.expert && a.row_begin == b.row_begin && a.row_end == b.row_end && a.unused == b.unused;
+}
+
+std::ptrdiff_t byte_offset(const void* p, const void* base) {
+  return static_cast<const char*>(p) - static_cast<const char*>(base);
+}
+
+// Checks the fused build's plan and schedule against the host: the plan of expect_plan, the
+// tiles of expect_tiles, the tile count, and the tiles past the count left as poisoned.
+void check_plan_and_schedule_against_host(const mr::gpu::plan_and_schedule& got, const std::vector<std::int32_t>& ids,
+                                          int num_experts, int block_m) {
+  const mr::test::expected_plan want = mr::test::expect_plan(ids, num_experts);
+  const std::size_t slots = ids.size();
+  CHECK(mr::test::device_plan::download(got.plan.expert_offsets, num_experts + 1) == want.offsets);
+  CHECK(mr::test::device_plan::download(got.plan.row_to_slot, slots) == want.row_to_slot);
+  CHECK(mr::test::device_plan::download(got.plan.slot_to_row, slots) == want.slot_to_row);
+  CHECK(mr::test::device_plan::download(got.plan.error_flag, 1)[0] == (want.bad_id ? 1 : 0));
+
+  const std::vector<mr::gpu::moe_m_tile> want_tiles = expect_tiles(want.offsets, block_m);
+  const std::int32_t count = mr::test::device_plan::download(got.schedule.count, 1)[0];
+  REQUIRE(count == static_cast<std::int32_t>(want_tiles.size()));
+  REQUIRE(got.schedule.capacity >= count);
+  const auto tiles = download_tiles(got.schedule.tiles, static_cast<std::size_t>(got.schedule.capacity));
+  int mismatches = 0;
+  for (std::size_t i = 0; i < want_tiles.size(); ++i) {
+    if (same_tile(tiles[i], want_tiles[i])) continue;
+    if (++mismatches <= 5)
+      MESSAGE("tile " << i << ": got {" << tiles[i].expert << ", " << tiles[i].row_begin << ", " << tiles[i].row_end
+                      << ", " << tiles[i].unused << "} want {" << want_tiles[i].expert << ", "
+                      << want_tiles[i].row_begin << ", " << want_tiles[i].row_end << ", 0}");
+  }
+  CHECK(mismatches == 0);
+  const auto tail = download_bytes(got.schedule.tiles + count,
+                                   static_cast<std::size_t>(got.schedule.capacity - count) * sizeof(mr::gpu::moe_m_tile));
+  for (unsigned char b : tail) REQUIRE(b == 0xff);
+}
+
+// Builds the plan and schedule apart (build_routing_plan + build_tile_schedule) and together
+// (build_routing_plan_and_schedule) on the same ids, each in workspaces poisoned with 0xff,
+// and checks that both carve the same pieces and write the same bits, and the fused build
+// against the host.
+void check_fused_build(const std::vector<std::int32_t>& ids, std::int64_t m, int k, int num_experts, int block_m) {
+  const std::int64_t rows = m * k;
+  device_buffer d_ids(ids.size() * sizeof(std::int32_t));
+  d_ids.upload(ids);
+  const auto view = mr::tensor_view::contiguous(d_ids.get(), mr::dtype::i32, {m, k}, mr::memory_space::device);
+  const std::size_t plan_bytes = mr::gpu::routing_plan_bytes(m, k, num_experts);
+  const std::size_t schedule_bytes = mr::gpu::tile_schedule_bytes(rows, num_experts, block_m);
+  device_buffer apart_plan(plan_bytes), apart_schedule(schedule_bytes), fused_plan(plan_bytes),
+      fused_schedule(schedule_bytes);
+  apart_plan.poison(0xff);
+  apart_schedule.poison(0xff);
+  fused_plan.poison(0xff);
+  fused_schedule.poison(0xff);
+
+  const mr::gpu::routing_plan plan = mr::gpu::build_routing_plan(view, num_experts, apart_plan.get(), plan_bytes, nullptr);
+  const mr::gpu::tile_schedule schedule =
+      mr::gpu::build_tile_schedule(plan, rows, block_m, apart_schedule.get(), schedule_bytes, nullptr);
+  const mr::gpu::plan_and_schedule fused = mr::gpu::build_routing_plan_and_schedule(
+      view, num_experts, block_m, fused_plan.get(), plan_bytes, fused_schedule.get(), schedule_bytes, nullptr);
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+
+  // The same pieces of the same workspaces.
+  CHECK(fused.plan.num_experts == plan.num_experts);
+  CHECK(fused.plan.top_k == plan.top_k);
+  CHECK(fused.plan.num_tokens == plan.num_tokens);
+  CHECK(byte_offset(fused.plan.expert_offsets, fused_plan.get()) == byte_offset(plan.expert_offsets, apart_plan.get()));
+  CHECK(byte_offset(fused.plan.row_to_slot, fused_plan.get()) == byte_offset(plan.row_to_slot, apart_plan.get()));
+  CHECK(byte_offset(fused.plan.slot_to_row, fused_plan.get()) == byte_offset(plan.slot_to_row, apart_plan.get()));
+  CHECK(byte_offset(fused.plan.error_flag, fused_plan.get()) == byte_offset(plan.error_flag, apart_plan.get()));
+  CHECK(byte_offset(fused.schedule.count, fused_schedule.get()) == byte_offset(schedule.count, apart_schedule.get()));
+  CHECK(byte_offset(fused.schedule.tiles, fused_schedule.get()) == byte_offset(schedule.tiles, apart_schedule.get()));
+  CHECK(fused.schedule.capacity == schedule.capacity);
+  CHECK(fused.schedule.capacity == mr::gpu::moe_m_tile_capacity(rows, num_experts, block_m));
+  CHECK(fused.schedule.block_m == block_m);
+  CHECK(schedule.block_m == block_m);
+
+  // The same bits, array by array, then every byte of both workspaces (scratch and the
+  // unused tiles included).
+  const auto slots = static_cast<std::size_t>(rows);
+  using mr::test::device_plan;
+  CHECK(device_plan::download(fused.plan.expert_offsets, num_experts + 1) ==
+        device_plan::download(plan.expert_offsets, num_experts + 1));
+  CHECK(device_plan::download(fused.plan.row_to_slot, slots) == device_plan::download(plan.row_to_slot, slots));
+  CHECK(device_plan::download(fused.plan.slot_to_row, slots) == device_plan::download(plan.slot_to_row, slots));
+  CHECK(device_plan::download(fused.plan.error_flag, 1) == device_plan::download(plan.error_flag, 1));
+  CHECK(device_plan::download(fused.schedule.count, 1) == device_plan::download(schedule.count, 1));
+  const std::size_t tile_bytes = static_cast<std::size_t>(schedule.capacity) * sizeof(mr::gpu::moe_m_tile);
+  CHECK(download_bytes(fused.schedule.tiles, tile_bytes) == download_bytes(schedule.tiles, tile_bytes));
+  CHECK(fused_plan.download<unsigned char>(plan_bytes) == apart_plan.download<unsigned char>(plan_bytes));
+  CHECK(fused_schedule.download<unsigned char>(schedule_bytes) == apart_schedule.download<unsigned char>(schedule_bytes));
+
+  check_plan_and_schedule_against_host(fused, ids, num_experts, block_m);
+}
+
+// What a call did while `stream` was captured: whether it threw invalid_argument_error (and
+// what it said), and how many graph nodes it added.
+struct capture_result {
+  bool threw = false;
+  std::string message;
+  std::size_t nodes = 0;
+};
+
+template <class F>
+capture_result capture_call(cudaStream_t stream, F&& call) {
+  capture_result r;
+  MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    call();
+  } catch (const mr::invalid_argument_error& e) {
+    r.threw = true;
+    r.message = e.what();
+  } catch (...) {
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(stream, &g);
+    if (g) cudaGraphDestroy(g);
+    throw;
+  }
+  cudaGraph_t graph;
+  MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MOE_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &r.nodes));
+  MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("routing plan with schedule: bit-identical to the plan and schedule built apart, and to a host tile list") {
+  for_each_plan_input(plan_sizes, [](const std::vector<std::int32_t>& ids, const size_case& s) {
+    for (int block_m : {128, 64}) {
+      CAPTURE(block_m);
+      check_fused_build(ids, s.m, s.k, s.e, block_m);
+    }
+  });
+}
+
+TEST_CASE("routing plan with schedule: one launch up to 4096 slots (one fewer than apart), three above") {
+  std::mt19937 rng(5);
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreate(&stream));
+  struct launch_case {
+    std::int64_t m;
+    int k, e;
+    std::size_t fused_nodes;
+  };
+  for (const launch_case& c : {launch_case{0, 2, 8, 1}, launch_case{64, 8, 256, 1}, launch_case{512, 8, 1024, 1},
+                               launch_case{4097, 1, 8, 3}, launch_case{5000, 8, 256, 3}}) {
+    CAPTURE(c.m);
+    const int block_m = 128;
+    const std::int64_t rows = c.m * c.k;
+    const auto ids = make_ids(c.m, c.k, c.e, id_pattern::random, rng);
+    device_buffer d_ids(ids.size() * sizeof(std::int32_t));
+    d_ids.upload(ids);
+    const auto view = mr::tensor_view::contiguous(d_ids.get(), mr::dtype::i32, {c.m, c.k}, mr::memory_space::device);
+    device_buffer pw(mr::gpu::routing_plan_bytes(c.m, c.k, c.e)), sw(mr::gpu::tile_schedule_bytes(rows, c.e, block_m));
+    const capture_result fused = capture_call(stream, [&] {
+      mr::gpu::build_routing_plan_and_schedule(view, c.e, block_m, pw.get(), pw.bytes(), sw.get(), sw.bytes(), stream);
+    });
+    const capture_result apart = capture_call(stream, [&] {
+      const auto plan = mr::gpu::build_routing_plan(view, c.e, pw.get(), pw.bytes(), stream);
+      mr::gpu::build_tile_schedule(plan, rows, block_m, sw.get(), sw.bytes(), stream);
+    });
+    CHECK_FALSE(fused.threw);
+    CHECK_FALSE(apart.threw);
+    CHECK(fused.nodes == c.fused_nodes);
+    CHECK(apart.nodes == c.fused_nodes + 1);
+  }
+  MOE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("routing plan with schedule: bad arguments throw before anything is launched or written") {
+  const int e = 8, k = 2, block_m = 128;
+  const std::int64_t m = 4;
+  const std::size_t plan_need = mr::gpu::routing_plan_bytes(m, k, e);
+  const std::size_t schedule_need = mr::gpu::tile_schedule_bytes(m * k, e, block_m);
+  device_buffer ids(m * k * 4), pw(plan_need + 256), sw(schedule_need + 256);
+  ids.poison(0);
+  pw.poison(0x5a);
+  sw.poison(0x5a);
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreate(&stream));
+  const auto view = mr::tensor_view::contiguous(ids.get(), mr::dtype::i32, {m, k}, mr::memory_space::device);
+  auto f32_view = view;
+  f32_view.type = mr::dtype::f32;
+  auto host_view = view;
+  host_view.space = mr::memory_space::host;
+  const auto flat = mr::tensor_view::contiguous(ids.get(), mr::dtype::i32, {m * k}, mr::memory_space::device);
+  const auto wide = mr::tensor_view::contiguous(ids.get(), mr::dtype::i32, {1, mr::max_top_k + 1}, mr::memory_space::device);
+  char* p = static_cast<char*>(pw.get());
+  char* s = static_cast<char*>(sw.get());
+  struct bad_case {
+    const char* what;  // a phrase the message must hold
+    mr::tensor_view ids;
+    int experts, block_m;
+    void* plan_ws;
+    std::size_t plan_bytes;
+    void* schedule_ws;
+    std::size_t schedule_bytes;
+  };
+  const bad_case cases[] = {
+      {"topk_ids", f32_view, e, block_m, p, plan_need, s, schedule_need},
+      {"topk_ids", host_view, e, block_m, p, plan_need, s, schedule_need},
+      {"topk_ids", flat, e, block_m, p, plan_need, s, schedule_need},
+      {"top_k", wide, e, block_m, p, pw.bytes(), s, sw.bytes()},
+      {"num_experts", view, 0, block_m, p, plan_need, s, schedule_need},
+      {"num_experts", view, mr::gpu::plan_max_experts + 1, block_m, p, pw.bytes(), s, sw.bytes()},
+      {"plan_workspace is null", view, e, block_m, nullptr, plan_need, s, schedule_need},
+      {"plan_workspace must be 256-byte aligned", view, e, block_m, p + 4, plan_need, s, schedule_need},
+      {"plan_workspace holds", view, e, block_m, p, plan_need - 1, s, schedule_need},
+      {"schedule_workspace is null", view, e, block_m, p, plan_need, nullptr, schedule_need},
+      {"schedule_workspace must be 256-byte aligned", view, e, block_m, p, plan_need, s + 16, schedule_need},
+      {"schedule_workspace holds", view, e, block_m, p, plan_need, s, schedule_need - 1},
+      {"block_m must be positive", view, e, 0, p, plan_need, s, schedule_need},
+      {"block_m must be positive", view, e, -128, p, plan_need, s, schedule_need},
+  };
+  for (const bad_case& c : cases) {
+    CAPTURE(c.what);
+    const capture_result r = capture_call(stream, [&] {
+      mr::gpu::build_routing_plan_and_schedule(c.ids, c.experts, c.block_m, c.plan_ws, c.plan_bytes, c.schedule_ws,
+                                               c.schedule_bytes, stream);
+    });
+    CHECK(r.threw);
+    CHECK_MESSAGE(r.message.find(c.what) != std::string::npos, r.message);
+    CHECK_MESSAGE(r.message.find("gpu::build_routing_plan_and_schedule") != std::string::npos, r.message);
+    CHECK(r.nodes == 0);
+  }
+
+  // build_tile_schedule shares the schedule's checks.
+  std::int32_t* offsets = static_cast<std::int32_t*>(pw.get());
+  mr::gpu::routing_plan plan;
+  plan.expert_offsets = offsets;
+  plan.error_flag = offsets;
+  plan.num_experts = e;
+  plan.top_k = k;
+  plan.num_tokens = m;
+  const struct {
+    const char* what;
+    int block_m;
+    void* ws;
+    std::size_t bytes;
+  } schedule_cases[] = {{"workspace is null", block_m, nullptr, schedule_need},
+                        {"workspace must be 256-byte aligned", block_m, s + 16, schedule_need},
+                        {"workspace holds", block_m, s, schedule_need - 1},
+                        {"block_m must be positive", 0, s, schedule_need}};
+  for (const auto& c : schedule_cases) {
+    CAPTURE(c.what);
+    const capture_result r = capture_call(
+        stream, [&] { mr::gpu::build_tile_schedule(plan, m * k, c.block_m, c.ws, c.bytes, stream); });
+    CHECK(r.threw);
+    CHECK_MESSAGE(r.message.find(c.what) != std::string::npos, r.message);
+    CHECK(r.nodes == 0);
+  }
+
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  for (unsigned char b : pw.download<unsigned char>(pw.bytes())) REQUIRE(b == 0x5a);
+  for (unsigned char b : sw.download<unsigned char>(sw.bytes())) REQUIRE(b == 0x5a);
+  for (std::int32_t id : ids.download<std::int32_t>(m * k)) REQUIRE(id == 0);
+  MOE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("routing plan with schedule captured in a CUDA graph replays to the same bits") {
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  struct graph_case {
+    std::int64_t m;
+    int k, e, block_m;
+  };
+  // Decode (one block), the largest one-block plan, and a tiled plan.
+  const graph_case cases[] = {{7, 8, 256, 128}, {512, 8, 1024, 64}, {5000, 8, 256, 128}};
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (const auto& g : cases) {
+    CAPTURE(g.m);
+    CAPTURE(g.e);
+    const std::int64_t rows = g.m * g.k;
+    auto ids = mr::test::random_ids(g.m, g.k, g.e, 0.1, rng);
+    device_buffer d_ids(ids.size() * sizeof(std::int32_t));
+    d_ids.upload(ids);
+    const auto view = mr::tensor_view::contiguous(d_ids.get(), mr::dtype::i32, {g.m, g.k}, mr::memory_space::device);
+    device_buffer pw(mr::gpu::routing_plan_bytes(g.m, g.k, g.e)), sw(mr::gpu::tile_schedule_bytes(rows, g.e, g.block_m));
+    mr::gpu::plan_and_schedule built;
+    auto run = [&] {
+      built = mr::gpu::build_routing_plan_and_schedule(view, g.e, g.block_m, pw.get(), pw.bytes(), sw.get(), sw.bytes(),
+                                                       stream);
+    };
+    auto poison = [&] {
+      pw.poison(0xff);
+      sw.poison(0xff);
+    };
+    auto snapshot = [&] {
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<unsigned char> all = pw.download<unsigned char>(pw.bytes());
+      const auto sched = sw.download<unsigned char>(sw.bytes());
+      all.insert(all.end(), sched.begin(), sched.end());
+      return all;
+    };
+
+    poison();
+    run();
+    const auto direct = snapshot();
+    check_plan_and_schedule_against_host(built, ids, g.e, g.block_m);
+    const captured_run graph(stream, run);
+    graph.check_replays(poison, snapshot, direct);
+
+    // New ids in the same buffer: the replay plans and schedules them.
+    ids = mr::test::random_ids(g.m, g.k, g.e, 0.1, rng);
+    d_ids.upload(ids);
+    poison();
+    graph.replay();
+    MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    check_plan_and_schedule_against_host(built, ids, g.e, g.block_m);
   }
   MOE_CUDA_CHECK(cudaStreamDestroy(stream));
 }

@@ -22,6 +22,7 @@
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/gpu/routing_plan.hpp"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
+#include "moerunner/kernels/kernel_tile_schedule.cuh"
 
 namespace moerunner::gpu {
 
@@ -48,25 +49,50 @@ struct tile_schedule {
   int block_m = 0;
 };
 
+// A schedule's checked arguments and its pieces, carved from the caller's workspace.
+struct tile_schedule_pieces {
+  moe_m_tile* tiles = nullptr;
+  std::int32_t* count = nullptr;
+  tile_schedule schedule;  // the same pieces, as the GEMM launches read them
+};
+
+// Checks the arguments of a schedule for `rows` rows over num_experts experts (errors name
+// `where` and call the workspace `name`) and carves it from `workspace`: the tile count,
+// then the tiles, each in its own 256-byte piece. Launches nothing.
+inline tile_schedule_pieces carve_tile_schedule(int num_experts, std::int64_t rows, int block_m, void* workspace,
+                                                std::size_t bytes, const char* where, const char* name) {
+  MOE_EXPECT(num_experts >= 1 && num_experts <= kernels::schedule_max_experts, where,
+             "the plan must have between 1 and " + std::to_string(kernels::schedule_max_experts) +
+                 " experts, got " + std::to_string(num_experts));
+  MOE_EXPECT(block_m > 0, where, "block_m must be positive, got " + std::to_string(block_m));
+  MOE_EXPECT(rows >= 0, where, "rows must not be negative, got " + std::to_string(rows));
+  MOE_EXPECT(workspace != nullptr, where, std::string(name) + " is null");
+  MOE_EXPECT(reinterpret_cast<std::uintptr_t>(workspace) % plan_piece_alignment == 0, where,
+             std::string(name) + " must be " + std::to_string(plan_piece_alignment) + "-byte aligned");
+  const std::size_t need = tile_schedule_bytes(rows, num_experts, block_m);
+  MOE_EXPECT(bytes >= need, where,
+             std::string(name) + " holds " + std::to_string(bytes) + " bytes, the tile schedule needs " +
+                 std::to_string(need));
+  const std::int64_t capacity = moe_m_tile_capacity(rows, num_experts, block_m);
+  MOE_EXPECT(capacity <= 0x7fffffff, where, "too many M tiles for one launch");
+  auto* base = static_cast<char*>(workspace);
+  tile_schedule_pieces p;
+  p.count = reinterpret_cast<std::int32_t*>(base);
+  p.tiles = reinterpret_cast<moe_m_tile*>(base + plan_piece_bytes(sizeof(std::int32_t)));
+  p.schedule = {p.tiles, p.count, capacity, block_m};
+  return p;
+}
+
 // Turns the plan's device-side expert offsets into the M-tile list, on the device.
 // `workspace` must be 256-byte aligned and hold tile_schedule_bytes(rows, E, block_m).
 inline tile_schedule build_tile_schedule(const routing_plan& plan, std::int64_t rows, int block_m, void* workspace,
                                          std::size_t bytes, cudaStream_t stream) {
-  constexpr const char* where = "gpu::build_tile_schedule";
-  MOE_EXPECT(plan.num_experts >= 1 && plan.num_experts <= kernels::schedule_max_experts, where,
-             "the plan must have between 1 and " + std::to_string(kernels::schedule_max_experts) +
-                 " experts, got " + std::to_string(plan.num_experts));
-  MOE_EXPECT(block_m > 0, where, "block_m must be positive");
-  MOE_EXPECT(bytes >= tile_schedule_bytes(rows, plan.num_experts, block_m), where, "workspace too small");
-  const std::int64_t capacity = moe_m_tile_capacity(rows, plan.num_experts, block_m);
-  MOE_EXPECT(capacity <= 0x7fffffff, where, "too many M tiles for one launch");
-  auto* base = static_cast<char*>(workspace);
-  auto* count = reinterpret_cast<std::int32_t*>(base);
-  auto* tiles = reinterpret_cast<moe_m_tile*>(base + plan_piece_bytes(sizeof(std::int32_t)));
+  const tile_schedule_pieces p =
+      carve_tile_schedule(plan.num_experts, rows, block_m, workspace, bytes, "gpu::build_tile_schedule", "workspace");
   kernels::moe_tile_schedule_kernel<<<1, kernels::schedule_threads, 0, stream>>>(
-      plan.expert_offsets, plan.num_experts, block_m, tiles, count, static_cast<int>(capacity));
+      plan.expert_offsets, plan.num_experts, block_m, p.tiles, p.count, static_cast<int>(p.schedule.capacity));
   MOE_CUDA_CHECK_LAUNCH("moe_tile_schedule_kernel");
-  return {tiles, count, capacity, block_m};
+  return p.schedule;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -21,14 +21,18 @@
 
 namespace moerunner::gpu {
 
-// Builds the plan for topk_ids [M, k] (i32, device) over num_experts local experts in
-// `workspace` (256-byte aligned, at least routing_plan_bytes(M, k, num_experts) bytes).
-// Ids outside [-1, num_experts) count as -1 and set *plan.error_flag, which the build zeroes
-// first; read it with read_plan_error or copy it in a later stream operation. One launch up to
-// plan_single_tile_slots slots, three above. M = 0 still writes offsets (all zero) and the flag.
-inline routing_plan build_routing_plan(const tensor_view& topk_ids, int num_experts, void* workspace,
-                                       std::size_t workspace_bytes, cudaStream_t stream) {
-  constexpr const char* where = "gpu::build_routing_plan";
+namespace plan_detail {
+
+// A checked plan build: the plan carved from the workspace and the kernels' arguments.
+struct plan_build {
+  routing_plan plan;
+  kernels::plan_args args;
+};
+
+// Checks the arguments of a plan build (errors name `where` and call the workspace `name`)
+// and carves the plan and the build's scratch from `workspace`; launches nothing.
+inline plan_build prepare_routing_plan(const tensor_view& topk_ids, int num_experts, void* workspace,
+                                       std::size_t workspace_bytes, const char* where, const char* name) {
   check::dense(topk_ids, 2, dtype::i32, memory_space::device, where, "topk_ids");
   const std::int64_t m = topk_ids.shape[0];
   const std::int64_t k = topk_ids.shape[1];
@@ -42,11 +46,12 @@ inline routing_plan build_routing_plan(const tensor_view& topk_ids, int num_expe
   MOE_EXPECT(slots <= 0x7fffffff - plan_tile_slots, where,
              "num_tokens * top_k must fit in 31 bits (rows are int32), got " + std::to_string(slots));
   const std::size_t need = routing_plan_bytes(m, static_cast<int>(k), num_experts);
-  MOE_EXPECT(workspace != nullptr, where, "workspace is null");
+  MOE_EXPECT(workspace != nullptr, where, std::string(name) + " is null");
   MOE_EXPECT(reinterpret_cast<std::uintptr_t>(workspace) % plan_piece_alignment == 0, where,
-             "workspace must be " + std::to_string(plan_piece_alignment) + "-byte aligned");
+             std::string(name) + " must be " + std::to_string(plan_piece_alignment) + "-byte aligned");
   MOE_EXPECT(workspace_bytes >= need, where,
-             "workspace holds " + std::to_string(workspace_bytes) + " bytes, the plan needs " + std::to_string(need));
+             std::string(name) + " holds " + std::to_string(workspace_bytes) + " bytes, the plan needs " +
+                 std::to_string(need));
 
   auto* cursor = static_cast<char*>(workspace);
   auto take = [&cursor](std::size_t count) {
@@ -56,7 +61,8 @@ inline routing_plan build_routing_plan(const tensor_view& topk_ids, int num_expe
   };
   const auto e = static_cast<std::size_t>(num_experts);
   const auto n = static_cast<std::size_t>(slots);
-  routing_plan plan;
+  plan_build b;
+  routing_plan& plan = b.plan;
   plan.expert_offsets = take(e + 1);
   plan.row_to_slot = take(n);
   plan.slot_to_row = take(n);
@@ -65,7 +71,7 @@ inline routing_plan build_routing_plan(const tensor_view& topk_ids, int num_expe
   plan.top_k = static_cast<int>(k);
   plan.num_tokens = m;
 
-  kernels::plan_args a;
+  kernels::plan_args& a = b.args;
   a.ids = topk_ids.ptr<const std::int32_t>();
   a.num_slots = slots;
   a.num_experts = num_experts;
@@ -74,25 +80,49 @@ inline routing_plan build_routing_plan(const tensor_view& topk_ids, int num_expe
   a.row_to_slot = plan.row_to_slot;
   a.slot_to_row = plan.slot_to_row;
   a.error_flag = plan.error_flag;
-  constexpr unsigned threads = kernels::plan_threads;
-  if (slots <= plan_single_tile_slots) {
-    if (slots <= threads) kernels::build_plan_single_tile_kernel<1><<<1, threads, 0, stream>>>(a);
-    else if (slots <= 4 * threads) kernels::build_plan_single_tile_kernel<4><<<1, threads, 0, stream>>>(a);
-    else kernels::build_plan_single_tile_kernel<16><<<1, threads, 0, stream>>>(a);
-    MOE_CUDA_CHECK_LAUNCH("gpu::build_routing_plan");
-    return plan;
+  if (slots > plan_single_tile_slots) {
+    const std::int64_t tiles = (slots + plan_tile_slots - 1) / plan_tile_slots;
+    a.num_tiles = static_cast<int>(tiles);
+    a.tile_counts = take(static_cast<std::size_t>(tiles) * e);
+    a.tile_errors = take(static_cast<std::size_t>(tiles));
   }
-  const std::int64_t tiles = (slots + plan_tile_slots - 1) / plan_tile_slots;
-  a.num_tiles = static_cast<int>(tiles);
-  a.tile_counts = take(static_cast<std::size_t>(tiles) * e);
-  a.tile_errors = take(static_cast<std::size_t>(tiles));
-  kernels::plan_count_kernel<<<static_cast<unsigned>(tiles), threads, 0, stream>>>(a);
-  MOE_CUDA_CHECK_LAUNCH("gpu::build_routing_plan (count)");
+  return b;
+}
+
+// Launches the build prepared by prepare_routing_plan: one launch up to plan_single_tile_slots
+// slots, three above.
+inline void launch_routing_plan(const kernels::plan_args& a, cudaStream_t stream) {
+  constexpr unsigned threads = kernels::plan_threads;
+  if (a.num_slots <= plan_single_tile_slots) {
+    if (a.num_slots <= threads) kernels::build_plan_single_tile_kernel<1><<<1, threads, 0, stream>>>(a);
+    else if (a.num_slots <= 4 * threads) kernels::build_plan_single_tile_kernel<4><<<1, threads, 0, stream>>>(a);
+    else kernels::build_plan_single_tile_kernel<16><<<1, threads, 0, stream>>>(a);
+    MOE_CUDA_CHECK_LAUNCH("build_plan_single_tile_kernel");
+    return;
+  }
+  const auto tiles = static_cast<unsigned>(a.num_tiles);
+  kernels::plan_count_kernel<<<tiles, threads, 0, stream>>>(a);
+  MOE_CUDA_CHECK_LAUNCH("plan_count_kernel");
   kernels::plan_scan_kernel<<<1, kernels::plan_scan_threads, 0, stream>>>(a);
-  MOE_CUDA_CHECK_LAUNCH("gpu::build_routing_plan (scan)");
-  kernels::plan_scatter_kernel<<<static_cast<unsigned>(tiles), threads, 0, stream>>>(a);
-  MOE_CUDA_CHECK_LAUNCH("gpu::build_routing_plan (scatter)");
-  return plan;
+  MOE_CUDA_CHECK_LAUNCH("plan_scan_kernel");
+  kernels::plan_scatter_kernel<<<tiles, threads, 0, stream>>>(a);
+  MOE_CUDA_CHECK_LAUNCH("plan_scatter_kernel");
+}
+
+}  // namespace plan_detail
+
+// Builds the plan for topk_ids [M, k] (i32, device) over num_experts local experts in
+// `workspace` (256-byte aligned, at least routing_plan_bytes(M, k, num_experts) bytes).
+// Ids outside [-1, num_experts) count as -1 and set *plan.error_flag, which the build zeroes
+// first; read it with read_plan_error or copy it in a later stream operation. One launch up to
+// plan_single_tile_slots slots, three above. M = 0 still writes offsets (all zero) and the flag.
+inline routing_plan build_routing_plan(const tensor_view& topk_ids, int num_experts, void* workspace,
+                                       std::size_t workspace_bytes, cudaStream_t stream) {
+  const plan_detail::plan_build b =
+      plan_detail::prepare_routing_plan(topk_ids, num_experts, workspace, workspace_bytes, "gpu::build_routing_plan",
+                                        "workspace");
+  plan_detail::launch_routing_plan(b.args, stream);
+  return b.plan;
 }
 
 // Copies the plan's bad-id flag to the host. SYNCHRONIZES `stream` (so it cannot be captured

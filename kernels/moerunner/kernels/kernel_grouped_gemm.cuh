@@ -1,8 +1,7 @@
 // Device code of the fused backend's grouped GEMMs (mma.sync m16n8k16, bf16/f16 in, f32
-// accumulate, ldmatrix, cp.async multi-stage pipeline), and the kernel that turns the
-// routing plan's expert offsets into the list of M tiles both GEMMs walk.
+// accumulate, ldmatrix, cp.async multi-stage pipeline) over the M-tile schedule that
+// kernel_tile_schedule.cuh builds from the routing plan.
 //
-//   moe_tile_schedule_kernel: expert_offsets [E+1] -> M tiles (expert, row_begin, row_end)
 //   moe_grouped_gemm_kernel<T, tuning, kind>: persistent CTAs stride over (M tile, N tile)
 //     gate_up / up_only (GEMM1): A row r = x[row_to_slot[r] / k], epilogue = activation -> act [R, I]
 //     down (GEMM2): A = act rows [R, I] in row order, epilogue = plain store -> rows [R, H]
@@ -25,66 +24,9 @@
 #include "moerunner/core/config.hpp"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/kernels/activation_math.cuh"
+#include "moerunner/kernels/kernel_tile_schedule.cuh"
 
 namespace moerunner::kernels {
-
-// ---------------------------------------------------------------------------------------------
-// M-tile schedule
-
-inline constexpr int schedule_threads = 1024;
-inline constexpr int schedule_max_experts = max_num_experts;
-inline constexpr int schedule_items = (schedule_max_experts + schedule_threads - 1) / schedule_threads;
-
-// One block: tiles of expert e are numbered from the exclusive prefix sum of
-// ceil(count[e] / block_m); tile i belongs to the expert whose range holds i.
-// Empty experts own no tile, so no GEMM CTA ever sees them.
-__global__ void __launch_bounds__(schedule_threads)
-    moe_tile_schedule_kernel(const std::int32_t* __restrict__ expert_offsets, int num_experts, int block_m,
-                             gpu::moe_m_tile* __restrict__ tiles, std::int32_t* __restrict__ tile_count,
-                             int capacity) {
-  using scan_t = cub::BlockScan<int, schedule_threads>;
-  __shared__ typename scan_t::TempStorage scan_storage;
-  __shared__ int offsets[schedule_max_experts + 1];
-  __shared__ int first_tile[schedule_max_experts + 1];
-
-  for (int e = threadIdx.x; e <= num_experts; e += schedule_threads) offsets[e] = expert_offsets[e];
-  __syncthreads();
-
-  int counts[schedule_items];
-#pragma unroll
-  for (int j = 0; j < schedule_items; ++j) {
-    const int e = threadIdx.x * schedule_items + j;
-    const int rows = e < num_experts ? offsets[e + 1] - offsets[e] : 0;
-    counts[j] = rows > 0 ? (rows + block_m - 1) / block_m : 0;
-  }
-  int total = 0;
-  scan_t(scan_storage).ExclusiveSum(counts, counts, total);
-#pragma unroll
-  for (int j = 0; j < schedule_items; ++j) {
-    const int e = threadIdx.x * schedule_items + j;
-    if (e < num_experts) first_tile[e] = counts[j];
-  }
-  // A plan that promised more rows than slots cannot happen; clamping keeps the GEMMs in bounds anyway.
-  const int used = total < capacity ? total : capacity;
-  if (threadIdx.x == 0) {
-    first_tile[num_experts] = total;
-    *tile_count = used;
-  }
-  __syncthreads();
-
-  for (int i = threadIdx.x; i < used; i += schedule_threads) {
-    // Invariant first_tile[lo] <= i < first_tile[hi]; ends on the one expert with tiles holding i.
-    int lo = 0, hi = num_experts;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (first_tile[mid] <= i) lo = mid;
-      else hi = mid;
-    }
-    const int begin = offsets[lo] + (i - first_tile[lo]) * block_m;
-    const int end = begin + block_m < offsets[lo + 1] ? begin + block_m : offsets[lo + 1];
-    tiles[i] = gpu::moe_m_tile{lo, begin, end, 0};
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers

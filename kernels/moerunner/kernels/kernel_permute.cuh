@@ -9,6 +9,10 @@
 // 11-bit keys would take three. The prefixes over warps and tiles, and the offsets, are
 // scans (CUB for the block and warp scans); nothing depends on scheduling, so the plan is
 // deterministic.
+//
+// On request the kernel that computes the expert offsets (the single-tile kernel, or the scan
+// kernel of the tiled path) also writes the grouped GEMMs' M-tile schedule
+// (kernel_tile_schedule.cuh), which then costs no launch of its own.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -20,7 +24,9 @@
 #include <cub/block/block_scan.cuh>
 #include <cub/warp/warp_scan.cuh>
 
+#include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/gpu/routing_plan.hpp"
+#include "moerunner/kernels/kernel_tile_schedule.cuh"
 
 namespace moerunner::kernels {
 
@@ -47,6 +53,12 @@ struct plan_args {
   std::int32_t* error_flag = nullptr;    // [1]
   std::int32_t* tile_counts = nullptr;   // [E, num_tiles]: counts, then exclusive prefixes over tiles
   std::int32_t* tile_errors = nullptr;   // [num_tiles]
+  // The M-tile schedule, written too when `tiles` is set (not to be confused with the tiles of
+  // slots above): as moe_tile_schedule_kernel writes it from the offsets.
+  gpu::moe_m_tile* tiles = nullptr;      // [tile_capacity]
+  std::int32_t* tile_count = nullptr;    // [1]: tiles used
+  int block_m = 0;
+  int tile_capacity = 0;
 };
 
 namespace permute_detail {
@@ -121,6 +133,28 @@ __device__ __forceinline__ int prefix_over_warps(int* warp_count, int num_expert
   return run - base;
 }
 
+// An expert's rows and M tiles scanned as one 64-bit sum, rows in the high half: neither
+// total reaches 2^31 (no expert has more tiles than rows), so the low half never carries.
+__device__ __forceinline__ unsigned long long pack_rows_tiles(int rows, int tiles) {
+  return (static_cast<unsigned long long>(rows) << 32) | static_cast<unsigned>(tiles);
+}
+__device__ __forceinline__ int packed_rows(unsigned long long v) { return static_cast<int>(v >> 32); }
+__device__ __forceinline__ int packed_tiles(unsigned long long v) { return static_cast<int>(v & 0xffffffffu); }
+
+// The packed value the offsets scan sums for an expert with `rows` rows.
+__device__ __forceinline__ unsigned long long scan_item(const plan_args& a, int rows) {
+  return pack_rows_tiles(rows, a.tiles != nullptr ? m_tiles_of(rows, a.block_m) : 0);
+}
+
+// Records what write_m_tiles reads of expert e, from its exclusive prefix `before`; e == E
+// records the totals, and also the used tile count.
+__device__ __forceinline__ void note_schedule_bounds(const plan_args& a, int* first_tile, int* first_row, int e,
+                                                     unsigned long long before) {
+  first_tile[e] = packed_tiles(before);
+  first_row[e] = packed_rows(before);
+  if (e == a.num_experts) *a.tile_count = m_tiles_used(packed_tiles(before), a.tile_capacity);
+}
+
 // Writes both maps for the slots ranked by rank_warp_slots, given each warp's first row per
 // expert in row_base; rows past `valid` in the same index range get -1, so every entry is defined.
 template <int ITEMS>
@@ -147,10 +181,13 @@ __device__ __forceinline__ void scatter_slots(const plan_args& a, std::int64_t t
 // The whole plan in one block, for num_slots <= ITEMS * plan_threads (decode-sized batches).
 template <int ITEMS>
 __global__ void __launch_bounds__(plan_threads) build_plan_single_tile_kernel(plan_args a) {
-  using block_scan = cub::BlockScan<int, plan_threads>;
+  using block_scan = cub::BlockScan<unsigned long long, plan_threads>;
   __shared__ int s_warp_count[plan_warps * gpu::plan_max_experts];
+  __shared__ int s_first_tile[gpu::plan_max_experts + 1];  // schedule only
+  __shared__ int s_first_row[gpu::plan_max_experts + 1];   // schedule only
   __shared__ typename block_scan::TempStorage s_scan;
   const int tid = static_cast<int>(threadIdx.x), E = a.num_experts;
+  const bool schedule = a.tiles != nullptr;
 
   for (int i = tid; i < plan_warps * E; i += plan_threads) s_warp_count[i] = 0;
   __syncthreads();
@@ -160,28 +197,38 @@ __global__ void __launch_bounds__(plan_threads) build_plan_single_tile_kernel(pl
 
   // Thread t owns experts t * EPT .. t * EPT + EPT - 1 (the blocked order of the scan).
   constexpr int EPT = plan_experts_per_thread;
-  int count[EPT], offset[EPT];
+  unsigned long long item[EPT], before[EPT];
 #pragma unroll
   for (int q = 0; q < EPT; ++q) {
     const int e = tid * EPT + q;
-    count[q] = 0;
+    int count = 0;
     if (e < E)
 #pragma unroll
-      for (int w = 0; w < plan_warps; ++w) count[q] += s_warp_count[w * E + e];
+      for (int w = 0; w < plan_warps; ++w) count += s_warp_count[w * E + e];
+    item[q] = permute_detail::scan_item(a, count);
   }
-  int valid = 0;
-  block_scan(s_scan).ExclusiveSum(count, offset, valid);
+  unsigned long long total = 0;
+  block_scan(s_scan).ExclusiveSum(item, before, total);
+  const int valid = permute_detail::packed_rows(total);
 #pragma unroll
   for (int q = 0; q < EPT; ++q) {
     const int e = tid * EPT + q;
     if (e >= E) continue;
-    a.offsets[e] = offset[q];
-    permute_detail::prefix_over_warps(s_warp_count, E, e, offset[q]);
+    const int offset = permute_detail::packed_rows(before[q]);
+    a.offsets[e] = offset;
+    permute_detail::prefix_over_warps(s_warp_count, E, e, offset);
+    if (schedule) permute_detail::note_schedule_bounds(a, s_first_tile, s_first_row, e, before[q]);
   }
-  if (tid == 0) a.offsets[E] = valid;
+  if (tid == 0) {
+    a.offsets[E] = valid;
+    if (schedule) permute_detail::note_schedule_bounds(a, s_first_tile, s_first_row, E, total);
+  }
   __syncthreads();
 
   permute_detail::scatter_slots<ITEMS>(a, 0, s_warp_count, key, rank, valid);
+  if (schedule)
+    write_m_tiles<plan_threads>(s_first_tile, s_first_row, E, a.block_m,
+                                m_tiles_used(permute_detail::packed_tiles(total), a.tile_capacity), a.tiles);
   const int any_bad = __syncthreads_or(bad);
   if (tid == 0) *a.error_flag = any_bad;
 }
@@ -211,14 +258,18 @@ __global__ void __launch_bounds__(plan_threads) plan_count_kernel(plan_args a) {
 
 // Tiled path, step 2 of 3 (one block): per expert, the exclusive prefix of its counts over
 // tiles (a warp per expert, several experts' loads in flight at once); then the expert
-// offsets and the error flag.
+// offsets, the error flag and, on request, the M-tile schedule.
 __global__ void __launch_bounds__(plan_scan_threads, 1) plan_scan_kernel(plan_args a) {
   using warp_scan = cub::WarpScan<int>;
-  using block_scan = cub::BlockScan<int, plan_scan_threads>;
+  // Warp scans: raking would give each raking thread 32 64-bit items, more registers than
+  // 1024 threads have.
+  using block_scan = cub::BlockScan<unsigned long long, plan_scan_threads, cub::BLOCK_SCAN_WARP_SCANS>;
   constexpr int warps = plan_scan_threads / 32, B = plan_scan_batch;
   __shared__ typename warp_scan::TempStorage s_warp[warps];
   __shared__ typename block_scan::TempStorage s_block;
   __shared__ int s_total[plan_scan_threads];
+  __shared__ int s_first_tile[gpu::plan_max_experts + 1];  // schedule only
+  __shared__ int s_first_row[gpu::plan_max_experts + 1];   // schedule only
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const int E = a.num_experts, T = a.num_tiles;
 
@@ -256,13 +307,20 @@ __global__ void __launch_bounds__(plan_scan_threads, 1) plan_scan_kernel(plan_ar
   for (int t = tid; t < T; t += plan_scan_threads) bad |= a.tile_errors[t] != 0;
   const int any_bad = __syncthreads_or(bad);
 
-  int offset = 0, valid = 0;
-  block_scan(s_block).ExclusiveSum(s_total[tid], offset, valid);
-  if (tid < E) a.offsets[tid] = offset;
+  unsigned long long before = 0, total = 0;
+  block_scan(s_block).ExclusiveSum(permute_detail::scan_item(a, s_total[tid]), before, total);
+  if (tid < E) a.offsets[tid] = permute_detail::packed_rows(before);
   if (tid == 0) {
-    a.offsets[E] = valid;
+    a.offsets[E] = permute_detail::packed_rows(total);
     *a.error_flag = any_bad;
   }
+  if (a.tiles == nullptr) return;  // the same for every thread, so no barrier below is left short
+
+  if (tid < E) permute_detail::note_schedule_bounds(a, s_first_tile, s_first_row, tid, before);
+  if (tid == 0) permute_detail::note_schedule_bounds(a, s_first_tile, s_first_row, E, total);
+  __syncthreads();
+  write_m_tiles<plan_scan_threads>(s_first_tile, s_first_row, E, a.block_m,
+                                   m_tiles_used(permute_detail::packed_tiles(total), a.tile_capacity), a.tiles);
 }
 
 // Tiled path, step 3 of 3: ranks each tile's slots again and writes both maps.
