@@ -3,16 +3,21 @@
 //
 //   moe_bench --out results.jsonl --commit $(git rev-parse --short HEAD)
 //             [--shapes Mixtral-8x7B,DeepSeek-V3,Qwen3-30B-A3B] [--tokens 1,8,64,512,4096,16384]
-//             [--backends cuda_fused,cublas_grouped,cuda_fused_wgmma]
+//             [--backends cuda_fused,cublas_grouped,cuda_fused_det,cuda_fused_mma]
 //
-// cuda_fused_wgmma is cuda_fused with its opt-in sm90_wgmma GEMM tuning forced (set_gemm_tuning);
-// it is in the default list only where the device runs sm_90a code.
+// Rows: every built-in GPU backend with its defaults, plus variants of cuda_fused:
+// cuda_fused_det (deterministic = true: GEMM2 writes rows, combine sums them in slot order;
+// in the default list) and cuda_fused_mma (the mma.sync sm90 tuning forced on sm_90a code,
+// for comparison; on request).
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
 // with CUDA events; replayed from a CUDA graph when the policy is graph-capturable, else
 // called directly (cublas_grouped synchronizes inside each run, so its time includes that
-// round trip). Routing (gpu::topk from f32 logits) is timed separately, from a graph.
+// round trip). Routing is timed apart from it, from graphs: routing_ms = gpu::topk from f32
+// logits; route_plan_ms = topk + the routing plan and M-tile schedule cuda_fused builds; and
+// for graph-capturable backends layer_ms = topk and the run in one graph (routing included).
+// workspace_bytes is the runner's workspace query for the cell.
 //
 // Ceilings, measured first: HBM read bandwidth (a vectorized read kernel over 4 GiB, far
 // beyond the 60 MB L2), device copy bandwidth (cudaMemcpy device to device, read + write
@@ -74,13 +79,16 @@ namespace {
 // The GPU backends under test: a compile-time list, each picked by name through MoeRunner.
 using bench_runner = mr::MoeRunner<mr::cuda_fused_policy, mr::cublas_grouped_policy>;
 
-// A benchmark row that runs a built-in backend with a non-default setting: label, backend, tuning.
+// A benchmark row that runs a built-in backend with non-default settings.
 struct backend_variant {
   std::string_view label, backend;
   mr::gpu::gemm_tuning_choice tuning;
+  bool deterministic;
+  bool by_default;  // in the default list (else only through --backends)
 };
 constexpr backend_variant backend_variants[] = {
-    {"cuda_fused_wgmma", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma},
+    {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
+    {"cuda_fused_mma", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90, false, false},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -356,16 +364,33 @@ routing_set make_routing_set(const shape_desc& sh, std::int64_t m, std::uint64_t
   return r;
 }
 
-double routing_ms(const shape_desc& sh, const routing_set& r, std::int64_t m, cudaStream_t s) {
-  const auto dev = mr::memory_space::device;
-  const auto lv = mr::tensor_view::contiguous(r.logits.get(), mr::dtype::f32, {m, sh.e}, dev);
-  dbuf w(static_cast<std::size_t>(m) * sh.k * 4), ids(static_cast<std::size_t>(m) * sh.k * 4);
-  mr::TopKOutput out{mr::tensor_view::contiguous(w.get(), mr::dtype::f32, {m, sh.k}, dev),
-                     mr::tensor_view::contiguous(ids.get(), mr::dtype::i32, {m, sh.k}, dev), false};
-  const auto cfg = bench_topk_config(sh.k);
-  mr::gpu::topk(lv, nullptr, cfg, out, s);
-  const graph_exec g = graph_exec::capture(s, [&](cudaStream_t cs) { mr::gpu::topk(lv, nullptr, cfg, out, cs); });
-  return median_launch_ms(s, [&](int) { g.launch(s); });
+// gpu::topk of the set's logits into its own weights and ids (the same values again).
+void route(const shape_desc& sh, const routing_set& r, std::int64_t m, cudaStream_t s) {
+  const auto lv = mr::tensor_view::contiguous(r.logits.get(), mr::dtype::f32, {m, sh.e}, mr::memory_space::device);
+  mr::TopKOutput out{r.wv, r.iv, false};
+  mr::gpu::topk(lv, nullptr, bench_topk_config(sh.k), out, s);
+}
+
+struct routing_times {
+  double topk_ms = std::numeric_limits<double>::quiet_NaN();
+  double with_plan_ms = std::numeric_limits<double>::quiet_NaN();  // topk + routing plan + M-tile schedule
+};
+
+routing_times routing_ms(const shape_desc& sh, const routing_set& r, std::int64_t m, cudaStream_t s) {
+  routing_times t;
+  const graph_exec g = graph_exec::capture(s, [&](cudaStream_t cs) { route(sh, r, m, cs); });
+  t.topk_ms = median_launch_ms(s, [&](int) { g.launch(s); });
+  const std::size_t plan_bytes = mr::gpu::routing_plan_bytes(m, sh.k, sh.e);
+  const std::size_t schedule_bytes = mr::gpu::tile_schedule_bytes(m * sh.k, sh.e, mr::gpu::moe_gemm_block_m);
+  dbuf plan_ws(plan_bytes), schedule_ws(schedule_bytes);
+  const auto plan = [&](cudaStream_t cs) {
+    route(sh, r, m, cs);
+    mr::gpu::build_routing_plan_and_schedule(r.iv, sh.e, mr::gpu::moe_gemm_block_m, plan_ws.get(), plan_bytes,
+                                             schedule_ws.get(), schedule_bytes, cs);
+  };
+  const graph_exec gp = graph_exec::capture(s, plan);
+  t.with_plan_ms = median_launch_ms(s, [&](int) { gp.launch(s); });
+  return t;
 }
 
 // ---------------------------------------------------------------- checks
@@ -495,6 +520,8 @@ struct cell_result {
   std::string error;
   std::string timing;  // "cuda_graph" or "direct"
   double ms = 0.0;
+  double layer_ms = std::numeric_limits<double>::quiet_NaN();  // topk + run in one graph
+  std::size_t workspace_bytes = 0;
   std::vector<std::uint16_t> out;  // routing set 0's output, bf16 [M, H]
   bool nonfinite = false;           // a NaN or inf anywhere in out
   double max_rel_err = 0.0;
@@ -506,14 +533,18 @@ struct cell_result {
 
 cell_result run_backend(const std::string& name, const shape_desc& sh, std::int64_t m,
                         const std::vector<routing_set>& sets, const std::vector<mr::unquantized_quant_info>& weights,
-                        cudaStream_t s) {
+                        cudaStream_t s, bool once) {
   cell_result res;
   res.backend = name;
   try {
-    const mr::MoeRunnerConfig cfg({.num_experts = sh.e, .hidden_size = sh.h, .intermediate_size = sh.i, .top_k = sh.k});
     const backend_variant* variant = find_variant(name);
+    const mr::MoeRunnerConfig cfg({.num_experts = sh.e,
+                                   .hidden_size = sh.h,
+                                   .intermediate_size = sh.i,
+                                   .top_k = sh.k,
+                                   .deterministic = variant != nullptr && variant->deterministic});
     bench_runner runner(variant != nullptr ? std::string(variant->backend) : name, cfg);
-    if (variant != nullptr) {
+    if (variant != nullptr && variant->tuning != mr::gpu::gemm_tuning_choice::automatic) {
       runner.visit([&](auto& core) {
         if constexpr (requires { core.set_gemm_tuning(variant->tuning); }) core.set_gemm_tuning(variant->tuning);
         else throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
@@ -524,7 +555,8 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
       if constexpr (requires { P::graph_capturable; }) return static_cast<bool>(P::graph_capturable);
       else return true;
     });
-    dbuf ws(runner.workspace_bytes(m)), out(static_cast<std::size_t>(m) * sh.h * 2);
+    res.workspace_bytes = runner.workspace_bytes(m);
+    dbuf ws(res.workspace_bytes), out(static_cast<std::size_t>(m) * sh.h * 2);
     const auto outv = mr::tensor_view::contiguous(out.get(), mr::dtype::bf16, {m, sh.h}, mr::memory_space::device);
     const auto run_set = [&](int j, cudaStream_t cs) {
       const routing_set& r = sets[j % sets.size()];
@@ -533,12 +565,25 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
     };
     run_set(0, s);  // first run outside any capture: lazy set-up, and errors surface plainly
     MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+    if (once) {
+      res.ok = true;
+      res.timing = "once";
+      return res;
+    }
     if (capturable) {
       std::vector<graph_exec> graphs;
       for (std::size_t j = 0; j < sets.size(); ++j)
         graphs.push_back(graph_exec::capture(s, [&](cudaStream_t cs) { run_set(static_cast<int>(j), cs); }));
       res.timing = "cuda_graph";
       res.ms = median_launch_ms(s, [&](int j) { graphs[j % graphs.size()].launch(s); });
+      // The layer as an engine runs it: routing from the logits, then the run, in one graph.
+      std::vector<graph_exec> layers;
+      for (std::size_t j = 0; j < sets.size(); ++j)
+        layers.push_back(graph_exec::capture(s, [&](cudaStream_t cs) {
+          route(sh, sets[j], m, cs);
+          run_set(static_cast<int>(j), cs);
+        }));
+      res.layer_ms = median_launch_ms(s, [&](int j) { layers[j % layers.size()].launch(s); });
     } else {
       res.timing = "direct";
       res.ms = median_launch_ms(s, [&](int j) { run_set(j, s); });
@@ -565,6 +610,7 @@ struct options {
   std::string commit = "unknown";
   std::vector<std::string> shapes, backends;
   std::vector<int> tokens = default_tokens;
+  bool once = false;  // one run per cell, no timing, no ceilings: for running under a profiler
 };
 
 options parse_args(int argc, char** argv) {
@@ -582,13 +628,14 @@ options parse_args(int argc, char** argv) {
     else if (arg == "--commit") o.commit = value();
     else if (arg == "--shapes") o.shapes = split(value());
     else if (arg == "--backends") o.backends = split(value());
+    else if (arg == "--once") o.once = true;
     else if (arg == "--tokens") {
       o.tokens.clear();
       for (const auto& t : split(value())) o.tokens.push_back(std::stoi(t));
     } else {
       std::fprintf(stderr,
                    "usage: moe_bench [--out FILE.jsonl] [--commit SHA] [--shapes A,B] [--tokens 1,8,...] "
-                   "[--backends cuda_fused,cublas_grouped,cuda_fused_wgmma]\n");
+                   "[--backends cuda_fused,cublas_grouped,cuda_fused_det,cuda_fused_mma] [--once]\n");
       std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
   }
@@ -613,8 +660,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> backends = opt.backends;
   if (backends.empty()) {
     backends = policy_names<bench_runner>::get();
-    if (mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts()))
-      for (const auto& v : backend_variants) backends.emplace_back(v.label);
+    for (const auto& v : backend_variants)
+      if (v.by_default) backends.emplace_back(v.label);
   }
   std::vector<shape_desc> shapes;
   for (const auto& sh : default_shapes)
@@ -627,7 +674,7 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  const ceilings c = measure_ceilings(s, prop.multiProcessorCount);
+  const ceilings c = opt.once ? ceilings{} : measure_ceilings(s, prop.multiProcessorCount);
   std::printf("GPU %s (%d SMs, L2 %.0f MB), commit %s\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6,
               opt.commit.c_str());
   std::printf("ceilings: HBM read %.2f TB/s, D2D copy %.2f TB/s (read+write), cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s\n\n",
@@ -639,8 +686,9 @@ int main(int argc, char** argv) {
         << ",\"dtype\":\"bf16\",\"routing\":\"softmax top-k, renormalized, f32 logits U(-4,4)\"}\n";
   jsonl.flush();
 
-  std::printf("%-16s %-15s %6s %10s %10s %7s %9s %9s %11s %-18s %9s %10s %s\n", "backend", "shape", "tokens", "ms",
-              "floor_ms", "floor%", "TFLOP/s", "GB/s", "max_rel_err", "check", "ref_err", "routing_ms", "timing");
+  std::printf("%-16s %-15s %6s %10s %10s %7s %9s %9s %11s %-18s %9s %10s %10s %10s %9s %s\n", "backend", "shape",
+              "tokens", "ms", "floor_ms", "floor%", "TFLOP/s", "GB/s", "max_rel_err", "check", "ref_err", "routing_ms",
+              "route+plan", "layer_ms", "ws_MB", "timing");
   int failures = 0;
   for (const auto& sh : shapes) {
     const std::size_t w13_elems = static_cast<std::size_t>(sh.e) * 2 * sh.i * sh.h;
@@ -664,9 +712,9 @@ int main(int argc, char** argv) {
       const std::int64_t m = tokens;
       std::vector<routing_set> sets;
       for (int j = 0; j < routing_sets; ++j) sets.push_back(make_routing_set(sh, m, 1000 * tokens + 17 * j, s));
-      double route_ms = std::numeric_limits<double>::quiet_NaN();
+      routing_times route_ms;
       try {
-        route_ms = routing_ms(sh, sets[0], m, s);
+        if (!opt.once) route_ms = routing_ms(sh, sets[0], m, s);
       } catch (const std::exception& e) {
         std::printf("routing timing failed for %s M=%d: %s\n", sh.name.c_str(), tokens, e.what());
         cudaGetLastError();
@@ -684,7 +732,13 @@ int main(int argc, char** argv) {
           std::max(bytes / (c.read_tbps * 1e12), flops / (c.gemm_tflops * 1e12)) * 1e3;
 
       std::vector<cell_result> results;
-      for (const auto& b : backends) results.push_back(run_backend(b, sh, m, sets, weights, s));
+      for (const auto& b : backends) results.push_back(run_backend(b, sh, m, sets, weights, s, opt.once));
+      if (opt.once) {
+        for (const auto& r : results)
+          std::printf("%-16s %-15s %6d  %s\n", r.backend.c_str(), sh.name.c_str(), tokens,
+                      r.ok ? "ran once" : ("FAILED: " + r.error).c_str());
+        continue;
+      }
 
       // Every cell is checked against the CPU reference on a few tokens (ref_rel_err); above
       // reference_max_tokens, max_rel_err is the full comparison with the other GPU backend.
@@ -744,16 +798,20 @@ int main(int argc, char** argv) {
         const bool check_ok = std::isfinite(r.max_rel_err) && r.max_rel_err <= max_rel_err_limit &&
                               std::isfinite(r.ref_rel_err) && r.ref_rel_err <= max_rel_err_limit;
         if (!check_ok) ++failures;
-        std::printf("%-16s %-15s %6d %10.4f %10.4f %6.1f%% %9.1f %9.1f %11s %-18s %9s %10.4f %s%s\n",
+        std::printf("%-16s %-15s %6d %10.4f %10.4f %6.1f%% %9.1f %9.1f %11s %-18s %9s %10.4f %10.4f %10.4f %9.2f %s%s\n",
                     r.backend.c_str(), sh.name.c_str(), tokens, r.ms, floor_ms, 100.0 * frac, tflops, gbps, err,
-                    r.check.c_str(), ref_err, route_ms, r.timing.c_str(), check_ok ? "" : "  CHECK FAILED");
+                    r.check.c_str(), ref_err, route_ms.topk_ms, route_ms.with_plan_ms, r.layer_ms,
+                    static_cast<double>(r.workspace_bytes) / 1e6, r.timing.c_str(), check_ok ? "" : "  CHECK FAILED");
         jsonl << "{\"backend\":" << json_string(r.backend) << ",\"shape\":" << json_string(sh.name)
               << ",\"tokens\":" << tokens << ",\"E\":" << sh.e << ",\"k\":" << sh.k << ",\"H\":" << sh.h
               << ",\"I\":" << sh.i << ",\"ms\":" << json_number(r.ms) << ",\"floor_ms\":" << json_number(floor_ms)
               << ",\"fraction_of_floor\":" << json_number(frac) << ",\"tflops\":" << json_number(tflops)
               << ",\"gbps\":" << json_number(gbps) << ",\"max_rel_err\":" << json_number(r.max_rel_err)
               << ",\"check\":" << json_string(r.check) << ",\"ref_rel_err\":" << json_number(r.ref_rel_err)
-              << ",\"routing_ms\":" << json_number(route_ms)
+              << ",\"routing_ms\":" << json_number(route_ms.topk_ms)
+              << ",\"route_plan_ms\":" << json_number(route_ms.with_plan_ms)
+              << ",\"layer_ms\":" << json_number(r.layer_ms)
+              << ",\"workspace_bytes\":" << r.workspace_bytes
               << ",\"timing\":" << json_string(r.timing) << ",\"experts_touched\":" << json_number(touched)
               << ",\"bytes\":" << json_number(bytes) << ",\"flops\":" << json_number(flops) << "}\n";
       }

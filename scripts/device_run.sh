@@ -6,18 +6,22 @@
 # every log and result under one output folder, with a summary printed last.
 # See CONTRIBUTING.md, "Running on a GPU machine".
 #
-#   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch]
+#   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,profile]
 #                         [--archs 90a] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
-#                         [--pack]
+#                         [--profile-cells "Shape:M,..."] [--pack]
 #
 #   --out DIR          where logs and results go (default: $OUT if set, else build-device/run)
 #   --results FILE     benchmark JSON lines (default: DIR/h200.jsonl)
-#   --steps LIST       any of build,test,sanitize,bench,torch (default: all; later steps reuse the build)
+#   --steps LIST       any of build,test,sanitize,bench,torch,profile (default: all but profile; later
+#                      steps reuse the build)
 #   --archs LIST       gpu_archs for Meson (default: 90a; e.g. 80,90a)
 #   --jobs N           parallel compile jobs (default: all cores)
 #   --budget SECONDS   wall-clock budget for the whole run (default 570); each step gets what is left
 #   --bench-args ARGS  extra arguments for moe_bench and torch_grouped_mm.py filters (--shapes/--tokens)
 #   --sanitizer-args   extra arguments passed to each GPU test under compute-sanitizer (e.g. a doctest filter)
+#   --profile-cells    benchmark cells for the profile step, Shape:M comma-separated (default
+#                      Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1): Nsight Compute (ncu, clocks left
+#                      alone) over cuda_fused's two GEMMs of one run of each cell, into logs/profile-*.log
 #   --pack             leave only summary.txt, the results and logs.tar.gz in DIR
 #
 # Exit status: 0 when every step that ran passed.
@@ -35,6 +39,7 @@ jobs=$(nproc)
 budget=570
 bench_args=""
 sanitizer_args=""
+profile_cells="Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1"
 pack=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -46,6 +51,7 @@ while [[ $# -gt 0 ]]; do
     --budget) budget=$2; shift 2 ;;
     --bench-args) bench_args=$2; shift 2 ;;
     --sanitizer-args) sanitizer_args=$2; shift 2 ;;
+    --profile-cells) profile_cells=$2; shift 2 ;;
     --pack) pack=1; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "device_run: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -252,6 +258,35 @@ if has_step torch; then
     else record torch failed "exit $rc, see logs/torch.log"; fi
   fi
   note "torch: $(tail -n1 "$status_file" | cut -f2)"
+fi
+
+# ---------------------------------------------------------------- profile
+if has_step profile; then
+  ncu=$(command -v ncu || true)
+  [[ -z "$ncu" && -x /usr/local/cuda/bin/ncu ]] && ncu=/usr/local/cuda/bin/ncu
+  if [[ -z "$ncu" ]]; then
+    record profile skipped "ncu not found"
+  else
+    IFS=, read -r -a cells <<< "$profile_cells"
+    for cell in "${cells[@]}"; do
+      shape=${cell%%:*}
+      tokens=${cell#*:}
+      t=$(step_timeout 120 5)
+      out_of_time "profile $cell" "$t" && continue
+      note "profile: ncu over cuda_fused's GEMMs, $shape M=$tokens (up to ${t}s)"
+      log="$logs/profile-$shape-$tokens.log"
+      timeout "$t" "$ncu" --clock-control none -k regex:moe_grouped_gemm --launch-count 2 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --section Occupancy --section LaunchStats --section WarpStateStats \
+        "$build/bench/moe_bench" --once --shapes "$shape" --tokens "$tokens" --backends cuda_fused \
+        --out "$logs/profile-$shape-$tokens.jsonl" > "$log" 2>&1
+      rc=$?
+      if [[ $rc -eq 0 ]]; then
+        record "profile $cell" ok "$(grep -m2 -E 'Duration|Memory Throughput' "$log" | tr -s ' ' | tr '\n' ';')"
+      elif [[ $rc -eq 124 ]]; then record "profile $cell" timeout "see logs/profile-$shape-$tokens.log"
+      else record "profile $cell" failed "exit $rc, see logs/profile-$shape-$tokens.log"; fi
+    done
+  fi
 fi
 
 # ---------------------------------------------------------------- summary

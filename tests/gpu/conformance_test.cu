@@ -37,11 +37,12 @@ struct case_desc {
   bool no_combine = false;
   bool gated = true;
   float scaling = 1.0f;
+  bool deterministic = false;
   std::string str() const {
     return "M=" + std::to_string(m) + " E=" + std::to_string(e) + " k=" + std::to_string(k) + " H=" +
            std::to_string(h) + " I=" + std::to_string(i) + " " + std::string(mr::dtype_name(type)) + " " +
            std::string(mr::activation_name(act)) + (no_combine ? " no_combine" : "") + (gated ? "" : " ungated") +
-           " routing=" + std::to_string(static_cast<int>(routing));
+           " routing=" + std::to_string(static_cast<int>(routing)) + (deterministic ? " deterministic" : "");
   }
 };
 
@@ -58,7 +59,8 @@ struct problem {
                                   .act = {.kind = c.act},
                                   .is_gated = c.gated,
                                   .routed_scaling_factor = c.scaling,
-                                  .no_combine = c.no_combine}),
+                                  .no_combine = c.no_combine,
+                                  .deterministic = c.deterministic}),
         x(c.type, {c.m, c.h}),
         w13(c.type, {c.e, cfg.w13_rows(), c.h}),
         w2(c.type, {c.e, c.h, c.i}),
@@ -172,6 +174,13 @@ void conformance_cases() {
       check_case<P>({33, 8, 2, 128, 64, t, mr::activation_kind::gelu, routing_case::random, false, false}, rng);
       check_case<P>({33, 8, 2, 128, 64, t, mr::activation_kind::silu, routing_case::random, false, true, 2.5f}, rng);
     }
+    SUBCASE("deterministic mode") {
+      const auto silu = mr::activation_kind::silu;
+      check_case<P>({1, 8, 2, 256, 128, t, silu, routing_case::random, false, true, 1.0f, true}, rng);
+      check_case<P>({300, 32, 4, 128, 64, t, silu, routing_case::skewed, false, true, 1.0f, true}, rng);
+      check_case<P>({96, 8, 2, 128, 64, t, silu, routing_case::with_filtered, false, true, 2.5f, true}, rng);
+      check_case<P>({33, 8, 2, 128, 64, t, silu, routing_case::random, true, true, 1.0f, true}, rng);
+    }
   }
 }
 
@@ -191,11 +200,13 @@ void nan_isolation() {
   }
 }
 
-// Bitwise identical outputs across 100 runs, and from a replayed CUDA graph.
+// With deterministic set: bitwise identical outputs across 100 runs, and from a replayed CUDA graph.
 template <class P>
 void determinism_and_graphs() {
   std::mt19937 rng(std::random_device{}());
-  problem p({257, 16, 4, 256, 128, mr::dtype::bf16}, rng);
+  problem p({257, 16, 4, 256, 128, mr::dtype::bf16, mr::activation_kind::silu, routing_case::random, false, true, 1.0f,
+             true},
+            rng);
   gpu_run<P> g(p);
   const host_tensor first = g.run_once(p);
   for (int r = 0; r < 100; ++r) {

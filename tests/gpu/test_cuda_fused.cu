@@ -1,13 +1,15 @@
 // The cuda_fused backend against the CPU reference on fresh random data, run through
-// MoeRunner<reference_policy, cuda_fused_policy>, with every GEMM tuning the GPU runs (the
-// sm80 one and the opt-in sm90_wgmma one are forced on Hopper), plus what is particular to it: sizes that
-// are not multiples of its tiles, a misaligned workspace, its own requirement checks,
-// and CUDA-graph capture.
+// MoeRunner<reference_policy, cuda_fused_policy>, with every GEMM tuning the GPU runs (on
+// Hopper with sm_90a code: the automatic wgmma one, and the mma.sync sm80 and sm90 ones
+// forced) in both combine modes (atomics in GEMM2's epilogue, and deterministic), plus what
+// is particular to it: sizes that are not multiples of its tiles, K split at decode, a
+// misaligned workspace, its own requirement checks, and CUDA-graph capture.
 //
 // Error bounds, normwise over the whole output: ||out - ref|| / ||ref|| <= 1e-2 for bf16 and
-// 2e-3 for fp16 (a few units of each dtype's rounding: act, rows and the output are each
-// rounded once). Every token (every [token, slot] row with no_combine) must also be within
-// 3x that bound on its own, and a row the reference leaves at zero must be exactly zero.
+// 2e-3 for fp16 (a few units of each dtype's rounding: act, the rows and the output, or the
+// k atomic additions, are each rounded once). Every token (every [token, slot] row with
+// no_combine) must also be within 3x that bound on its own, and a row the reference leaves
+// at zero must be exactly zero.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
@@ -61,7 +63,7 @@ struct options {
   int nan_token = -1;  // puts a NaN into this token's input
 };
 
-std::string describe(const shape& s, mr::dtype t, const options& o, tuning tu) {
+std::string describe(const shape& s, mr::dtype t, const options& o, tuning tu, bool deterministic) {
   return "M=" + std::to_string(s.m) + " E=" + std::to_string(s.e) + " k=" + std::to_string(s.k) +
          " H=" + std::to_string(s.h) + " I=" + std::to_string(s.i) + " " + std::string(mr::dtype_name(t)) + " " +
          std::string(mr::activation_name(o.act)) + " ids=" + std::to_string(static_cast<int>(o.ids)) +
@@ -69,7 +71,7 @@ std::string describe(const shape& s, mr::dtype t, const options& o, tuning tu) {
          (o.weight_on_input ? " weight_on_input" : "") + (o.inplace ? " inplace" : "") +
          " scaling=" + std::to_string(o.scaling) + (o.scaling_in_weights ? " (in weights)" : "") +
          (o.nan_token >= 0 ? " nan_token=" + std::to_string(o.nan_token) : "") + " tuning=" +
-         std::string(mr::gpu::gemm_tuning_name(tu));
+         std::string(mr::gpu::gemm_tuning_name(tu)) + (deterministic ? " deterministic" : " atomic combine");
 }
 
 // A random problem on the host with its reference output.
@@ -157,9 +159,11 @@ struct on_device {
   std::optional<runner_t> runner;
   mr::workspace_view ws;
 
-  on_device(const problem& p, tuning tu, std::size_t ws_misalign = 0)
+  on_device(const problem& p, tuning tu, bool deterministic, std::size_t ws_misalign = 0)
       : x(p.x), w13(p.w13), w2(p.w2), weights(p.weights), ids(p.ids) {
-    runner.emplace("cuda_fused", p.cfg);
+    mr::moe_config_params params = p.cfg.params();
+    params.deterministic = deterministic;
+    runner.emplace("cuda_fused", mr::MoeRunnerConfig(params));
     REQUIRE(runner->runner_backend().is_cuda_fused());
     runner->visit([&](auto& core) {
       if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>) core.set_gemm_tuning(tu);
@@ -195,15 +199,17 @@ struct on_device {
   }
 };
 
-// Tunings to run on this GPU: its own, the sm80 one as well where sm_90a code runs, and the
-// opt-in wgmma one where the device runs sm_90a code.
+// Tunings to run on this GPU: its own, and where sm_90a code runs the mma.sync ones too
+// (the automatic choice there is the wgmma one).
 std::vector<tuning> tunings() {
   const mr::gpu::device_facts dev = mr::gpu::current_device_facts();
   std::vector<tuning> t = {tuning::automatic};
   if (dev.code_arch >= 90) t.push_back(tuning::sm80);
-  if (mr::gpu::wgmma_gemm_available(dev)) t.push_back(tuning::sm90_wgmma);
+  if (mr::gpu::wgmma_gemm_available(dev)) t.push_back(tuning::sm90);
   return t;
 }
+
+constexpr bool both_modes[] = {false, true};  // deterministic off (the default), on
 
 // Compares a run (output poisoned with NaN beforehand) with the reference: every element
 // written and finite, normwise and per-row errors within bounds, zero rows exactly zero.
@@ -252,16 +258,17 @@ void check_case(const shape& s, mr::dtype t, const options& o = {}) {
   CAPTURE(seed);
   std::mt19937 rng(seed);
   const problem p(s, t, o, rng);
-  for (tuning tu : tunings()) {
-    CAPTURE(describe(s, t, o, tu));
-    // A workspace that is not 256-byte aligned: the policy aligns its pieces itself.
-    on_device g(p, tu, 8);
-    if (!o.inplace) g.fill_out(0xff);
-    MOE_CUDA_CHECK(cudaMemset(g.ws_buf.get(), 0xff, g.ws_buf.bytes()));  // nothing may rely on zeroed scratch
-    g.launch(p, nullptr);
-    MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    compare(p, g.result(p));
-  }
+  for (tuning tu : tunings())
+    for (bool det : both_modes) {
+      CAPTURE(describe(s, t, o, tu, det));
+      // A workspace that is not 256-byte aligned: the policy aligns its pieces itself.
+      on_device g(p, tu, det, 8);
+      if (!o.inplace) g.fill_out(0xff);
+      MOE_CUDA_CHECK(cudaMemset(g.ws_buf.get(), 0xff, g.ws_buf.bytes()));  // nothing may rely on zeroed scratch
+      g.launch(p, nullptr);
+      MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      compare(p, g.result(p));
+    }
 }
 
 constexpr mr::dtype both_types[] = {mr::dtype::bf16, mr::dtype::f16};
@@ -313,6 +320,17 @@ TEST_CASE("cuda_fused matches the reference: long K loops and full tiles") {
   }
 }
 
+TEST_CASE("cuda_fused matches the reference: decode, K split over CTAs") {
+  // Few (M tile, N tile) items and long K: the atomic mode's GEMM2 splits K (wgmma tuning).
+  for (mr::dtype t : both_types) {
+    check_case({1, 8, 2, 520, 2048}, t);
+    check_case({3, 16, 4, 264, 1032}, t);
+    check_case({2, 8, 2, 520, 2048}, t, {.ids = ids_kind::filtered});
+    check_case({1, 8, 2, 520, 2048}, t, {.scaling = 2.5f});
+    check_case({4, 8, 2, 520, 2048}, t, {.inplace = true});
+  }
+}
+
 TEST_CASE("cuda_fused matches the reference: activations") {
   for (mr::dtype t : both_types) {
     check_case({100, 8, 2, odd_h, odd_i}, t, {.act = mr::activation_kind::gelu});
@@ -338,14 +356,15 @@ TEST_CASE("cuda_fused matches the reference: router weight, scaling, combine mod
 
 TEST_CASE("cuda_fused keeps a NaN inside its token") {
   for (mr::dtype t : both_types) {
-    for (tuning tu : tunings()) {
+    for (tuning tu : tunings())
+    for (bool det : both_modes) {
       const unsigned seed = std::random_device{}();
       CAPTURE(seed);
       std::mt19937 rng(seed);
       const int bad = 21;
       problem p({64, 8, 2, odd_h, odd_i}, t, {.nan_token = bad}, rng);
-      CAPTURE(describe(p.s, t, p.opt, tu));
-      on_device g(p, tu);
+      CAPTURE(describe(p.s, t, p.opt, tu, det));
+      on_device g(p, tu, det);
       g.fill_out(0x5a);  // a finite poison, so that NaN can only come from the computation
       g.launch(p, nullptr);
       MOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -368,20 +387,27 @@ TEST_CASE("cuda_fused keeps a NaN inside its token") {
 }
 
 namespace {
-void check_determinism_and_graph(tuning tu) {
+// Repeated runs and CUDA-graph replays: the same bits in deterministic mode; in the default
+// mode each run passes the reference check (the atomics' order may change the last bit).
+void check_runs_and_graph(tuning tu, bool deterministic, const shape& sh) {
   std::mt19937 rng(std::random_device{}());
-  problem p({257, 16, 4, odd_h, odd_i}, mr::dtype::bf16, {}, rng);
-  on_device g(p, tu);
+  problem p(sh, mr::dtype::bf16, {}, rng);
+  on_device g(p, tu, deterministic);
   g.fill_out(0xff);
   g.launch(p, nullptr);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   const host_tensor first = g.result(p);
   compare(p, first);
+  const auto check_again = [&] {
+    const host_tensor again = g.result(p);
+    if (deterministic) REQUIRE(std::memcmp(first.view.data, again.view.data, first.view.bytes()) == 0);
+    else compare(p, again);
+  };
   for (int r = 0; r < 10; ++r) {
     g.fill_out(0xff);
     g.launch(p, nullptr);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
-    REQUIRE(std::memcmp(first.view.data, g.result(p).view.data, first.view.bytes()) == 0);
+    check_again();
   }
   cudaStream_t s = nullptr;
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -396,7 +422,7 @@ void check_determinism_and_graph(tuning tu) {
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
     MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
     MOE_CUDA_CHECK(cudaStreamSynchronize(s));
-    CHECK(std::memcmp(first.view.data, g.result(p).view.data, first.view.bytes()) == 0);
+    check_again();
   }
   MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
   MOE_CUDA_CHECK(cudaGraphDestroy(graph));
@@ -404,10 +430,30 @@ void check_determinism_and_graph(tuning tu) {
 }
 }  // namespace
 
-TEST_CASE("cuda_fused is deterministic and replays from a CUDA graph") {
-  for (tuning tu : tunings()) {
-    CAPTURE(std::string(mr::gpu::gemm_tuning_name(tu)));
-    check_determinism_and_graph(tu);
+TEST_CASE("cuda_fused is deterministic when asked, and replays from a CUDA graph in both modes") {
+  for (tuning tu : tunings())
+    for (bool det : both_modes) {
+      CAPTURE(std::string(mr::gpu::gemm_tuning_name(tu)) + (det ? " deterministic" : " atomic combine"));
+      check_runs_and_graph(tu, det, {257, 16, 4, odd_h, odd_i});
+      check_runs_and_graph(tu, det, {1, 8, 2, 520, 2048});  // K split in GEMM2 (atomic mode)
+    }
+}
+
+TEST_CASE("cuda_fused workspace: the atomic mode needs no [M*k, H] rows") {
+  const mr::MoeRunnerConfig fast({.num_experts = 8, .hidden_size = 4096, .intermediate_size = 1024, .top_k = 2});
+  mr::moe_config_params det_params = fast.params();
+  det_params.deterministic = true;
+  const mr::MoeRunnerConfig det(det_params);
+  for (std::int64_t m : {1, 64, 4096}) {
+    const std::size_t slots = static_cast<std::size_t>(m) * 2;
+    const std::size_t act = slots * 1024 * 2, rows = slots * 4096 * 2;
+    const std::size_t fast_bytes = mr::cuda_fused_policy(fast).workspace_bytes(m);
+    const std::size_t det_bytes = mr::cuda_fused_policy(det).workspace_bytes(m);
+    CAPTURE(m);
+    CHECK(fast_bytes >= act);
+    // The rest is the routing plan (two int32 per slot), the tile schedule and alignment.
+    CHECK(fast_bytes <= act + slots * 8 + (slots / 128 + 8) * 16 + 8 * 256 + 64 * 1024);
+    CHECK(det_bytes >= fast_bytes + rows);
   }
 }
 
@@ -430,7 +476,7 @@ struct raw_setup {
         w2(4 * h * i * mr::dtype_size(wt_type) + 64),
         wt(4 * 2 * 4),
         id(4 * 2 * 4),
-        out(4 * h * mr::dtype_size(xt)) {
+        out(4 * h * mr::dtype_size(xt) + 64) {
     runner.emplace("cuda_fused", cfg);
     ws = device_buffer(runner->workspace_bytes(4));
     for (device_buffer* b : {&x, &w13, &w2, &wt}) MOE_CUDA_CHECK(cudaMemset(b->get(), 0x3c, b->bytes()));
@@ -439,7 +485,7 @@ struct raw_setup {
   }
 
   // Runs with each pointer offset by the given number of bytes.
-  void run(std::size_t x_off = 0, std::size_t w13_off = 0, std::size_t w2_off = 0) {
+  void run(std::size_t x_off = 0, std::size_t w13_off = 0, std::size_t w2_off = 0, std::size_t out_off = 0) {
     const auto dev = mr::memory_space::device;
     const auto h = cfg.hidden_size(), i = cfg.intermediate_size();
     mr::DispatchOutput d{mr::tensor_view::contiguous(static_cast<char*>(x.get()) + x_off, x_type, {4, h}, dev), {},
@@ -448,7 +494,7 @@ struct raw_setup {
     mr::unquantized_quant_info q{
         mr::tensor_view::contiguous(static_cast<char*>(w13.get()) + w13_off, w_type, {4, cfg.w13_rows(), h}, dev),
         mr::tensor_view::contiguous(static_cast<char*>(w2.get()) + w2_off, w_type, {4, h, i}, dev)};
-    const auto o = mr::tensor_view::contiguous(out.get(), x_type, {4, h}, dev);
+    const auto o = mr::tensor_view::contiguous(static_cast<char*>(out.get()) + out_off, x_type, {4, h}, dev);
     runner->run(d, q, o, {ws.get(), ws.bytes()}, cuda::stream_ref(cudaStream_t{}));
   }
 
@@ -460,10 +506,10 @@ struct raw_setup {
 
 template <class E>
 void expect_refusal(raw_setup& s, const char* phrase, std::size_t x_off = 0, std::size_t w13_off = 0,
-                    std::size_t w2_off = 0) {
+                    std::size_t w2_off = 0, std::size_t out_off = 0) {
   CAPTURE(phrase);
   try {
-    s.run(x_off, w13_off, w2_off);
+    s.run(x_off, w13_off, w2_off, out_off);
     FAIL("the run was accepted");
   } catch (const E& e) {
     CHECK_MESSAGE(std::string(e.what()).find(phrase) != std::string::npos, e.what());
@@ -495,6 +541,8 @@ TEST_CASE("cuda_fused refuses what it cannot run, with a clear error, writing no
     expect_refusal<mr::invalid_argument_error>(s, "hidden_states must be 16-byte aligned", 8, 0, 0);
     expect_refusal<mr::invalid_argument_error>(s, "w13 must be 16-byte aligned", 0, 2, 0);
     expect_refusal<mr::invalid_argument_error>(s, "w2 must be 16-byte aligned", 0, 0, 4);
+    // GEMM2 stores into the output unless it combines deterministically.
+    expect_refusal<mr::invalid_argument_error>(s, "output must be 16-byte aligned", 0, 0, 0, 4);
   }
   SUBCASE("a tuning newer than the device") {
     if (mr::gpu::current_device_facts().code_arch < 90) {

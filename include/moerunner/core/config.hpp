@@ -43,6 +43,9 @@ struct moe_config_params {
   float routed_scaling_factor = 1.0f;
   bool no_combine = false;  // leave the [M, k, H] rows uncombined
   bool inplace = false;     // write the output over hidden_states
+  // Same bits on every run. Off, a backend may sum a token's expert rows in whatever order
+  // they finish (cuda_fused: atomics in GEMM2's epilogue, no [M*k, H] intermediate).
+  bool deterministic = false;
 };
 
 inline constexpr int max_top_k = 32;
@@ -66,6 +69,7 @@ class MoeRunnerConfig {
   float routed_scaling_factor() const { return p_.routed_scaling_factor; }
   bool no_combine() const { return p_.no_combine; }
   bool inplace() const { return p_.inplace; }
+  bool deterministic() const { return p_.deterministic; }
   // Rows of w13 per expert: 2I when gated, I otherwise.
   int w13_rows() const { return p_.is_gated ? 2 * p_.intermediate_size : p_.intermediate_size; }
   const moe_config_params& params() const { return p_; }

@@ -32,6 +32,8 @@ struct args {
   const float* weights;
   float scale;
   bool no_combine;
+  int splits;
+  std::int64_t split_stride;
 };
 
 template <class TIn, class TOut, int VEC>
@@ -39,7 +41,7 @@ void launch(const args& a, cudaStream_t stream) {
   const row_launch l = make_row_launch(a.plan->num_tokens, a.hidden / VEC);
   kernels::combine_rows_kernel<TIn, TOut, VEC><<<l.grid, l.threads, 0, stream>>>(
       static_cast<const TIn*>(a.rows), static_cast<TOut*>(a.out), a.hidden, l.chunks_per_row, l.blocks,
-      a.plan->top_k, a.plan->slot_to_row, a.weights, a.scale, a.no_combine);
+      a.plan->top_k, a.plan->slot_to_row, a.weights, a.scale, a.no_combine, a.splits, a.split_stride);
 }
 
 template <class TIn, class TOut>
@@ -61,17 +63,21 @@ void launch_out(const args& a, dtype out_type, cudaStream_t stream) {
 
 }  // namespace combine_launch
 
-// rows [M * k, H] of dtype t (bf16 or f16) in the plan's expert-sorted order -> out [M, H]
-// (f32, f16 or bf16), or [M, k, H] with no_combine, on the device:
+// rows [M * k, H] of dtype t (bf16, f16, or f32 partial sums) in the plan's expert-sorted
+// order -> out [M, H] (f32, f16 or bf16), or [M, k, H] with no_combine, on the device:
 //   out[t] = scale * sum_{j = 0..k-1} w[t, j] * rows[slot_to_row[t * k + j]], filtered slots skipped,
 // summed in f32 in slot order and rounded once, so repeated runs give the same bits; a token
 // with every slot filtered gets zeros. topk_weights [M, k] f32, or nullptr when the rows
 // already carry the router weight. With no_combine, out[t, j] = scale * w[t, j] * row (0 if filtered).
+// With splits > 1 the rows come in `splits` consecutive [M * k, H] parts (a K-split GEMM's
+// partial sums), and each row is the sum of its parts in order.
 inline void combine_rows(const void* rows, dtype t, const routing_plan& plan, const float* topk_weights, float scale,
-                         const tensor_view& out, bool no_combine, cudaStream_t stream) {
+                         const tensor_view& out, bool no_combine, cudaStream_t stream, int splits = 1) {
   constexpr const char* where = "gpu::combine_rows";
   validate_plan(plan, where);
-  MOE_EXPECT(t == dtype::bf16 || t == dtype::f16, where, "rows must be bf16 or f16, got " + std::string(dtype_name(t)));
+  MOE_EXPECT(t == dtype::bf16 || t == dtype::f16 || t == dtype::f32, where,
+             "rows must be bf16, f16 or f32, got " + std::string(dtype_name(t)));
+  MOE_EXPECT(splits >= 1, where, "splits must be at least 1, got " + std::to_string(splits));
   MOE_EXPECT(std::isfinite(scale), where, "scale must be finite");
   MOE_EXPECT(is_activation_dtype(out.type), where,
              "out must be f32, f16 or bf16, got " + std::string(dtype_name(out.type)));
@@ -85,12 +91,15 @@ inline void combine_rows(const void* rows, dtype t, const routing_plan& plan, co
   MOE_EXPECT(hidden >= 1, where, "out must have at least one column, got shape " + out.shape_string());
   if (plan.num_tokens == 0) return;
   MOE_EXPECT(rows != nullptr, where, "rows is null");
-  MOE_EXPECT(reinterpret_cast<std::uintptr_t>(rows) % 2 == 0, where, "rows must be 2-byte aligned");
+  MOE_EXPECT(reinterpret_cast<std::uintptr_t>(rows) % dtype_size(t) == 0, where,
+             "rows must be " + std::to_string(dtype_size(t)) + "-byte aligned");
   check::aligned(out, dtype_size(out.type), where, "out");
   MOE_EXPECT(reinterpret_cast<std::uintptr_t>(topk_weights) % 4 == 0, where, "topk_weights must be 4-byte aligned");
-  const combine_launch::args a{rows, out.data, hidden, &plan, topk_weights, scale, no_combine};
+  const combine_launch::args a{rows,  out.data,   hidden, &plan, topk_weights, scale, no_combine,
+                               splits, plan.num_tokens * plan.top_k * hidden};
   if (t == dtype::bf16) combine_launch::launch_out<__nv_bfloat16>(a, out.type, stream);
-  else combine_launch::launch_out<__half>(a, out.type, stream);
+  else if (t == dtype::f16) combine_launch::launch_out<__half>(a, out.type, stream);
+  else combine_launch::launch_out<float>(a, out.type, stream);
   MOE_CUDA_CHECK_LAUNCH("gpu::combine_rows");
 }
 

@@ -47,6 +47,7 @@ struct tile_schedule {
   const std::int32_t* count = nullptr;  // device: tiles actually used
   std::int64_t capacity = 0;            // host: the bound the grids are sized for
   int block_m = 0;
+  std::int64_t rows = 0;                // host: the rows (M * k slots) it was built for
 };
 
 // A schedule's checked arguments and its pieces, carved from the caller's workspace.
@@ -79,7 +80,7 @@ inline tile_schedule_pieces carve_tile_schedule(int num_experts, std::int64_t ro
   tile_schedule_pieces p;
   p.count = reinterpret_cast<std::int32_t*>(base);
   p.tiles = reinterpret_cast<moe_m_tile*>(base + plan_piece_bytes(sizeof(std::int32_t)));
-  p.schedule = {p.tiles, p.count, capacity, block_m};
+  p.schedule = {p.tiles, p.count, capacity, block_m, rows};
   return p;
 }
 
@@ -89,7 +90,7 @@ inline tile_schedule build_tile_schedule(const routing_plan& plan, std::int64_t 
                                          std::size_t bytes, cudaStream_t stream) {
   const tile_schedule_pieces p =
       carve_tile_schedule(plan.num_experts, rows, block_m, workspace, bytes, "gpu::build_tile_schedule", "workspace");
-  kernels::moe_tile_schedule_kernel<<<1, kernels::schedule_threads, 0, stream>>>(
+  kernels::moe_tile_schedule_kernel<><<<1, kernels::schedule_threads, 0, stream>>>(
       plan.expert_offsets, plan.num_experts, block_m, p.tiles, p.count, static_cast<int>(p.schedule.capacity));
   MOE_CUDA_CHECK_LAUNCH("moe_tile_schedule_kernel");
   return p.schedule;
@@ -116,9 +117,20 @@ inline int kernel_code_arch(int device) {
     if (const int a = cache[device].load(std::memory_order_relaxed); a > 0) return a;
   }
   cudaFuncAttributes attr{};
-  MOE_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernels::moe_tile_schedule_kernel));
+  MOE_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernels::moe_tile_schedule_kernel<>));
   if (device >= 0 && device < cached_devices) cache[device].store(attr.ptxVersion, std::memory_order_relaxed);
   return attr.ptxVersion;
+}
+
+// The current device's SM count, or 0 where there is no usable device (host-only callers).
+inline int current_sm_count_or_zero() noexcept {
+  int device = 0, n = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: leave no error behind for the caller's next check
+    return 0;
+  }
+  return n;
 }
 
 inline device_facts current_device_facts() {
@@ -186,6 +198,8 @@ void launch_moe_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& schedul
   p.tiles = schedule.tiles;
   p.tile_count = schedule.count;
   p.n_tiles = static_cast<int>(n_tiles);
+  MOE_EXPECT(p.k_splits == 1 && p.store != kernels::down_store::partials, where,
+             "the mma.sync grouped GEMM does not split K");
   kernels::moe_grouped_gemm_kernel<T, Policy, Kind><<<grid, tuning.threads(), tuning.smem_bytes(), stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_kernel");
 }

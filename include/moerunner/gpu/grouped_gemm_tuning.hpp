@@ -16,8 +16,9 @@ struct grouped_gemm_tuning {
   int block_k;  // 32 or 64 (elements): one smem row is 4 or 8 16-byte chunks
   int warps_m;
   int warps_n;
-  int stages;    // cp.async pipeline depth
-  int min_arch;  // lowest SM version (80, 90) this tuning is compiled and launched for
+  int stages;       // cp.async pipeline depth
+  int min_arch;     // lowest SM version (80, 90) this tuning is compiled and launched for
+  int raster_band;  // M tiles that walk the N tiles together (see decode_work_item)
 
   constexpr int threads() const { return 32 * warps_m * warps_n; }
   constexpr int warp_tile_m() const { return block_m / warps_m; }
@@ -47,6 +48,7 @@ consteval bool check_grouped_gemm_tuning(grouped_gemm_tuning t) {
   if (t.stages < 2) throw "the pipeline needs at least two stages";
   if (t.smem_bytes() > 227 * 1024) throw "the pipeline does not fit in shared memory";
   if (t.min_arch != 80 && t.min_arch != 90) throw "min_arch must be 80 or 90";
+  if (t.raster_band < 1) throw "raster_band must be positive";
   return true;
 }
 
@@ -55,12 +57,12 @@ consteval bool check_grouped_gemm_tuning(grouped_gemm_tuning t) {
 // Ampere (and every sm_8x): 68 KiB of smem per CTA so that two CTAs fit an A100 SM and one an sm_86 SM.
 struct sm80_gemm_policy {
   static constexpr grouped_gemm_tuning tuning{
-      .block_m = 128, .block_n = 128, .block_k = 32, .warps_m = 2, .warps_n = 2, .stages = 4, .min_arch = 80};
+      .block_m = 128, .block_n = 128, .block_k = 32, .warps_m = 2, .warps_n = 2, .stages = 4, .min_arch = 80, .raster_band = 8};
 };
 // Hopper, mma.sync path: deeper K tile (half the barriers per FLOP); 96 KiB, two CTAs per SM.
 struct sm90_gemm_policy {
   static constexpr grouped_gemm_tuning tuning{
-      .block_m = 128, .block_n = 128, .block_k = 64, .warps_m = 2, .warps_n = 2, .stages = 3, .min_arch = 90};
+      .block_m = 128, .block_n = 128, .block_k = 64, .warps_m = 2, .warps_n = 2, .stages = 3, .min_arch = 90, .raster_band = 8};
 };
 static_assert(check_grouped_gemm_tuning(sm80_gemm_policy::tuning));
 static_assert(check_grouped_gemm_tuning(sm90_gemm_policy::tuning));
@@ -79,6 +81,7 @@ struct wgmma_gemm_tuning {
   int stages;               // shared-memory ring depth
   int producer_lag;         // K tiles of A copies a producer thread keeps in flight before it signals
   int min_arch;
+  int raster_band;          // M tiles that walk the N tiles together (see decode_work_item)
 
   constexpr int threads() const { return 128 * (1 + consumer_warpgroups); }
   constexpr int stage_bytes() const { return (block_m + block_n) * block_k * 2; }
@@ -98,6 +101,7 @@ consteval bool check_wgmma_gemm_tuning(wgmma_gemm_tuning t) {
     throw "producer_lag must leave two stages for the consumers (else producer and consumers wait on each other)";
   if (t.smem_bytes() > 227 * 1024) throw "the ring does not fit in shared memory";
   if (t.min_arch != 90) throw "wgmma needs sm_90a";
+  if (t.raster_band < 1) throw "raster_band must be positive";
   return true;
 }
 
@@ -108,13 +112,13 @@ struct sm90_wgmma_gemm_policy {
                                             .consumer_warpgroups = 2,
                                             .stages = 4,
                                             .producer_lag = 2,
-                                            .min_arch = 90};
+                                            .min_arch = 90,
+                                            .raster_band = 8};
 };
 static_assert(check_wgmma_gemm_tuning(sm90_wgmma_gemm_policy::tuning));
 static_assert(sm90_wgmma_gemm_policy::tuning.block_m == moe_gemm_block_m);
 
 // Which tuning a run uses: the selector's choice for the device, or one forced (tests, benchmarks).
-// sm90_wgmma is opt-in for now: the selector never picks it.
 enum class gemm_tuning_choice : std::uint8_t { automatic, sm80, sm90, sm90_wgmma };
 
 constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
@@ -129,9 +133,11 @@ constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
 
 // The selector: the newest tuning the running code was compiled for. `code_arch` is the
 // virtual architecture of the kernel image the device runs (80 for sm_80 code, also when it
-// runs on a newer GPU; 90 for sm_90a), as CUB picks its policies by PTX version.
-constexpr gemm_tuning_choice select_gemm_tuning(int code_arch) {
-  return code_arch >= 90 ? gemm_tuning_choice::sm90 : gemm_tuning_choice::sm80;
+// runs on a newer GPU; 90 for sm_90 and sm_90a), as CUB picks its policies by PTX version;
+// `has_wgmma` says whether that image is sm_90a code (the wgmma kernels exist only there).
+constexpr gemm_tuning_choice select_gemm_tuning(int code_arch, bool has_wgmma) {
+  if (code_arch >= 90) return has_wgmma ? gemm_tuning_choice::sm90_wgmma : gemm_tuning_choice::sm90;
+  return gemm_tuning_choice::sm80;
 }
 
 constexpr int gemm_tuning_min_arch(gemm_tuning_choice c) {

@@ -101,11 +101,11 @@ inline void launch_routing_plan(const kernels::plan_args& a, cudaStream_t stream
     return;
   }
   const auto tiles = static_cast<unsigned>(a.num_tiles);
-  kernels::plan_count_kernel<<<tiles, threads, 0, stream>>>(a);
+  kernels::plan_count_kernel<><<<tiles, threads, 0, stream>>>(a);
   MOE_CUDA_CHECK_LAUNCH("plan_count_kernel");
-  kernels::plan_scan_kernel<<<1, kernels::plan_scan_threads, 0, stream>>>(a);
+  kernels::plan_scan_kernel<><<<1, kernels::plan_scan_threads, 0, stream>>>(a);
   MOE_CUDA_CHECK_LAUNCH("plan_scan_kernel");
-  kernels::plan_scatter_kernel<<<tiles, threads, 0, stream>>>(a);
+  kernels::plan_scatter_kernel<><<<tiles, threads, 0, stream>>>(a);
   MOE_CUDA_CHECK_LAUNCH("plan_scatter_kernel");
 }
 

@@ -106,6 +106,22 @@ void prepare_wgmma_gemm(int device) {
   if (device >= 0 && device < cached_devices) done[device].store(true, std::memory_order_relaxed);
 }
 
+// K splits for the wgmma GEMM2 (n = H columns, k = I) over a schedule of at most
+// `tile_bound` M tiles: when the (M tile, N tile) items cannot fill the SMs (decode: few
+// active experts, one short M tile each), each item's K range is split so that every SM
+// streams weights; a split keeps at least min_k_tiles_per_split K tiles so that its
+// pipeline fills. Host arithmetic only: the workspace query and the run agree on it.
+inline int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_count) {
+  constexpr int cols = sm90_wgmma_gemm_policy::tuning.block_n;
+  constexpr std::int64_t min_k_tiles_per_split = 4;
+  const std::int64_t items = tile_bound * ((n + cols - 1) / cols);
+  if (items <= 0 || items * 2 > sm_count) return 1;
+  const std::int64_t by_sms = sm_count / items;
+  const std::int64_t by_k = (k + sm90_wgmma_gemm_policy::tuning.block_k - 1) / sm90_wgmma_gemm_policy::tuning.block_k /
+                            min_k_tiles_per_split;
+  return static_cast<int>(std::max<std::int64_t>(1, std::min(by_sms, by_k)));
+}
+
 // Launches one grouped GEMM of the sm90_wgmma tuning; `p.tiles`, `p.tile_count` and
 // `p.n_tiles` are filled here from `schedule`, as launch_moe_gemm does.
 template <class T, kernels::moe_gemm_kind Kind>
@@ -126,12 +142,31 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   prepare_wgmma_gemm<T, Kind>(dev.device);
   constexpr int cols = kernels::moe_gemm_wgmma<T, policy, Kind>::out_cols;
   const std::int64_t n_tiles = (p.n + cols - 1) / cols;
-  const std::int64_t work_bound = schedule.capacity * n_tiles;
+  const int k_splits = p.k_splits;
+  const bool may_split = Kind == kernels::moe_gemm_kind::down && (p.store == kernels::down_store::accumulate ||
+                                                                   p.store == kernels::down_store::partials);
+  MOE_EXPECT(k_splits == 1 || (may_split && k_splits >= 1 && k_splits <= (p.k + tuning.block_k - 1) / tuning.block_k),
+             where, "k_splits must be 1, or for GEMM2 into the output or partials at most the K tiles, got " +
+                        std::to_string(k_splits));
+  MOE_EXPECT(p.store != kernels::down_store::partials || p.partials != nullptr, where, "partials is null");
+  const std::int64_t work_bound = schedule.capacity * n_tiles * k_splits;
   const auto grid = static_cast<unsigned>(std::min<std::int64_t>({work_bound, dev.sm_count, 0x7fffffff}));
   p.tiles = schedule.tiles;
   p.tile_count = schedule.count;
   p.n_tiles = static_cast<int>(n_tiles);
-  kernels::moe_grouped_gemm_wgmma_kernel<T, policy, Kind><<<grid, tuning.threads(), tuning.smem_bytes(), stream>>>(p, map);
+  // A programmatic dependent launch: the CTAs may start (barrier set-up, descriptor prefetch)
+  // while the previous kernel on the stream drains; the kernel waits before reading its output.
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(tuning.threads());
+  config.dynamicSmemBytes = tuning.smem_bytes();
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernels::moe_grouped_gemm_wgmma_kernel<T, policy, Kind>, p, map));
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_kernel");
 }
 

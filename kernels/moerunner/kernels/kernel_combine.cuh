@@ -11,14 +11,29 @@
 
 namespace moerunner::kernels {
 
+// The row `row` as f32: the sum of its `splits` parts (split_stride elements apart) in order.
+template <int VEC, class TIn>
+__device__ __forceinline__ void load_row_parts(const TIn* rows, std::int64_t row, std::int64_t hidden, std::int64_t c,
+                                               int splits, std::int64_t split_stride, float (&v)[VEC]) {
+  load_f32<VEC>(rows + row * hidden + c, v);
+  for (int s = 1; s < splits; ++s) {
+    float part[VEC];
+    load_f32<VEC>(rows + s * split_stride + row * hidden + c, part);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] += part[i];
+  }
+}
+
 // out[t] = scale * sum_{j = 0..k-1} w[t, j] * rows[slot_to_row[t * k + j]] (w = 1 without
 // weights), skipping filtered slots, accumulated in f32 in slot order and rounded once: the
 // same bits on every run. With no_combine, out[t, j] = scale * w[t, j] * row, or 0 when filtered.
+// A row given as `splits` parts (K-split GEMM partial sums) is their sum in split order.
 template <class TIn, class TOut, int VEC>
 __global__ void combine_rows_kernel(const TIn* __restrict__ rows, TOut* __restrict__ out, std::int64_t hidden,
                                     std::int64_t chunks_per_row, std::int64_t num_blocks, int top_k,
                                     const std::int32_t* __restrict__ slot_to_row,
-                                    const float* __restrict__ weights, float scale, bool no_combine) {
+                                    const float* __restrict__ weights, float scale, bool no_combine, int splits,
+                                    std::int64_t split_stride) {
   for (std::int64_t b = blockIdx.x; b < num_blocks; b += gridDim.x) {
     const std::int64_t token = b / chunks_per_row;
     const std::int64_t c = ((b % chunks_per_row) * blockDim.x + threadIdx.x) * VEC;
@@ -32,7 +47,7 @@ __global__ void combine_rows_kernel(const TIn* __restrict__ rows, TOut* __restri
         const std::int64_t row = slot_to_row[first_slot + j];
         if (row < 0) continue;
         float v[VEC];
-        load_f32<VEC>(rows + row * hidden + c, v);
+        load_row_parts<VEC>(rows, row, hidden, c, splits, split_stride, v);
         if (weights != nullptr) {
           const float w = weights[first_slot + j];
 #pragma unroll
@@ -53,7 +68,7 @@ __global__ void combine_rows_kernel(const TIn* __restrict__ rows, TOut* __restri
 #pragma unroll
           for (int i = 0; i < VEC; ++i) v[i] = 0.0f;
         } else {
-          load_f32<VEC>(rows + row * hidden + c, v);
+          load_row_parts<VEC>(rows, row, hidden, c, splits, split_stride, v);
           const float w = weights != nullptr ? weights[first_slot + j] : 1.0f;
 #pragma unroll
           for (int i = 0; i < VEC; ++i) v[i] = scale * (w * v[i]);

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
@@ -25,6 +26,7 @@
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/kernels/activation_math.cuh"
 #include "moerunner/kernels/kernel_tile_schedule.cuh"
+#include "moerunner/kernels/pdl.cuh"
 
 namespace moerunner::kernels {
 
@@ -103,21 +105,104 @@ enum class moe_gemm_kind : std::uint8_t {
   down,     // GEMM2: B = w2[e] ([H, I]); A = act rows in row order
 };
 
+// Where GEMM2 (down) puts the row of each (token, expert) pair.
+enum class down_store : std::uint8_t {
+  rows,        // c = rows [R, n] in row order; combine_rows sums them later in a fixed order
+  slots,       // c = out [M, k, n]: row r to its slot, times scale * router weight (no_combine)
+  accumulate,  // c = out [M, n], zeroed first: added to its token's row, times scale * router weight
+  partials,    // split-K, deterministic: split s of row r to partials[s * R * n + r * n] in f32
+};
+
 template <class T>
 struct moe_gemm_params {
   const T* a;                           // GEMM1: x [M, K=H]; GEMM2: act [R, K=I]
-  const std::int32_t* row_to_slot;      // GEMM1: A row r is x[row_to_slot[r] / top_k]
+  const std::int32_t* row_to_slot;      // row r holds slot row_to_slot[r] (token slot / top_k)
   int top_k;
   const T* b;                           // [E, b_rows_per_expert, K] row-major
   std::int64_t b_rows_per_expert;
   int n;                                // output columns: I for GEMM1, H for GEMM2
   int k;                                // reduction length, a multiple of 8
-  T* c;                                 // [R, n] in row order
-  const gpu::moe_m_tile* tiles;         // from moe_tile_schedule_kernel
+  T* c;                                 // GEMM1: act [R, n]; GEMM2: see `store`
+  const gpu::moe_m_tile* tiles;         // from the tile schedule
   const std::int32_t* tile_count;
   int n_tiles;                          // ceil(n / output columns per CTA)
+  int k_splits = 1;                     // K ranges per tile (GEMM2 with accumulate or partials only)
   const float* input_weights;           // GEMM1 with apply_router_weight_on_input: topk_weights [M*k]; else null
   activation act;
+  // GEMM2 only.
+  down_store store = down_store::rows;
+  const float* out_weights = nullptr;  // slots / accumulate: topk_weights [M*k], or null when applied on the input
+  float out_scale = 1.0f;              // slots / accumulate: routed_scaling_factor, or 1
+  float* partials = nullptr;           // partials: f32 [k_splits, R, n]
+  std::int64_t split_stride = 0;       // partials: R * n
+  // GEMM1 only: 16-byte vectors at `clear` that the grid zeroes before it ends (the output GEMM2
+  // accumulates into; GEMM2 starts after GEMM1 has finished).
+  uint4* clear = nullptr;
+  std::int64_t clear_vectors = 0;
+};
+
+// One work item of a persistent grid: an M tile, an N tile and a K range.
+struct moe_work_item {
+  int m_tile;
+  int n_tile;
+  int split;
+};
+
+// Work item w -> tile coordinates. K splits vary fastest, then the M tiles of a band of
+// `band` of them, then N tiles: the CTAs that run together cover one band times a few N tiles,
+// so each weight tile comes from HBM once per band and then from L2. (M tiles outer, N
+// fastest, re-streamed an expert's weights from HBM once per M tile.)
+__device__ __forceinline__ moe_work_item decode_work_item(std::int64_t w, int tile_count, int n_tiles, int k_splits,
+                                                          int band) {
+  moe_work_item r;
+  r.split = static_cast<int>(w % k_splits);
+  const std::int64_t t = w / k_splits;
+  const std::int64_t per_band = static_cast<std::int64_t>(band) * n_tiles;
+  const int first = static_cast<int>(t / per_band) * band;
+  const int within = static_cast<int>(t % per_band);
+  const int width = tile_count - first < band ? tile_count - first : band;
+  r.n_tile = within / width;
+  r.m_tile = first + within % width;
+  return r;
+}
+
+// K tiles [begin, end) of split `split` out of `splits`: as even as integer division allows.
+__device__ __forceinline__ void split_k_range(int k_tiles, int split, int splits, int& begin, int& end) {
+  begin = static_cast<int>(static_cast<std::int64_t>(k_tiles) * split / splits);
+  end = static_cast<int>(static_cast<std::int64_t>(k_tiles) * (split + 1) / splits);
+}
+
+// Adds two values to out[0], out[1] (4-byte aligned) with one packed atomic.
+template <class T>
+__device__ __forceinline__ void atomic_add2(T* out, float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    atomicAdd(reinterpret_cast<__nv_bfloat162*>(out), __floats2bfloat162_rn(lo, hi));
+  else atomicAdd(reinterpret_cast<__half2*>(out), __floats2half2_rn(lo, hi));
+}
+
+// Zeroes the GEMM1 launch's `clear` range, spread over every thread of the grid that calls it.
+template <class T>
+__device__ __forceinline__ void clear_output(const moe_gemm_params<T>& p, int thread, int threads_per_cta) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * threads_per_cta;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * threads_per_cta + thread; i < p.clear_vectors;
+       i += stride)
+    p.clear[i] = make_uint4(0, 0, 0, 0);
+}
+
+// GEMM2's destination and factor for row `row`: the rows buffer as is, or the row's slot (or
+// its token) in the output times scale * router weight.
+template <class T>
+struct down_target {
+  T* dst;
+  float factor;
+
+  __device__ __forceinline__ static down_target at(const moe_gemm_params<T>& p, int row) {
+    if (p.store == down_store::rows) return {p.c + static_cast<std::int64_t>(row) * p.n, 1.0f};
+    const std::int64_t slot = p.row_to_slot[row];
+    const float w = p.out_weights != nullptr ? p.out_weights[slot] : 1.0f;
+    const std::int64_t out_row = p.store == down_store::slots ? slot : slot / p.top_k;
+    return {p.c + out_row * p.n, p.out_scale * w};
+  }
 };
 
 // Eight consecutive floats from 16-byte-aligned smem, as two vector loads.
@@ -337,9 +422,20 @@ struct moe_gemm_tile {
           for (int j = 0; j < 8; ++j) v[j] = apply_activation(p.act, false, v[j] * scale, 0.0f);
         }
       }
-      const uint4 packed = make_uint4(mma_16816<T>::pack2(v[0], v[1]), mma_16816<T>::pack2(v[2], v[3]),
-                                      mma_16816<T>::pack2(v[4], v[5]), mma_16816<T>::pack2(v[6], v[7]));
-      *reinterpret_cast<uint4*>(p.c + static_cast<std::int64_t>(row) * p.n + col) = packed;
+      T* dst = p.c + static_cast<std::int64_t>(row) * p.n + col;
+      if constexpr (Kind == moe_gemm_kind::down) {
+        const down_target<T> t = down_target<T>::at(p, row);
+        dst = t.dst + col;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] *= t.factor;
+        if (p.store == down_store::accumulate) {
+#pragma unroll
+          for (int j = 0; j < 8; j += 2) atomic_add2(dst + j, v[j], v[j + 1]);
+          continue;
+        }
+      }
+      *reinterpret_cast<uint4*>(dst) = make_uint4(mma_16816<T>::pack2(v[0], v[1]), mma_16816<T>::pack2(v[2], v[3]),
+                                                  mma_16816<T>::pack2(v[4], v[5]), mma_16816<T>::pack2(v[6], v[7]));
     }
     // The next tile's prologue overwrites the C tile.
     __syncthreads();
@@ -352,9 +448,9 @@ inline constexpr int compiled_sm = __CUDA_ARCH__ / 10;
 inline constexpr int compiled_sm = 0;
 #endif
 
-// Persistent CTAs: work item w = m_tile * n_tiles + n_tile, N fastest, so CTAs that run
-// together share an A tile (gathered x rows read once from HBM) and walk one expert's weights.
-// The number of M tiles is only known on the device; the grid never depends on it.
+// Persistent CTAs over work items in decode_work_item's order (bands of M tiles, N tiles
+// across a band); this kernel never splits K. The number of M tiles is only known on the
+// device; the grid never depends on it.
 template <class T, class Policy, moe_gemm_kind Kind>
 __global__ void __launch_bounds__(Policy::tuning.threads()) moe_grouped_gemm_kernel(const moe_gemm_params<T> p) {
   // A tuning is only compiled for the architectures it was written for; the launch code
@@ -364,12 +460,14 @@ __global__ void __launch_bounds__(Policy::tuning.threads()) moe_grouped_gemm_ker
   } else {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* smem = reinterpret_cast<T*>(smem_raw);
-    const std::int64_t work = static_cast<std::int64_t>(*p.tile_count) * p.n_tiles;
+    if constexpr (Kind != moe_gemm_kind::down)
+      clear_output(p, static_cast<int>(threadIdx.x), moe_gemm_tile<T, Policy, Kind>::threads);
+    const int tiles = *p.tile_count;
+    const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles;
     for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
-      const int m_tile = static_cast<int>(w / p.n_tiles);
-      const int n_tile = static_cast<int>(w % p.n_tiles);
-      const gpu::moe_m_tile tile = p.tiles[m_tile];
-      moe_gemm_tile<T, Policy, Kind>::run(smem, p, tile, n_tile);
+      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, 1, Policy::tuning.raster_band);
+      const gpu::moe_m_tile tile = p.tiles[item.m_tile];
+      moe_gemm_tile<T, Policy, Kind>::run(smem, p, tile, item.n_tile);
     }
   }
 }

@@ -27,6 +27,7 @@
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/gpu/routing_plan.hpp"
 #include "moerunner/kernels/kernel_tile_schedule.cuh"
+#include "moerunner/kernels/pdl.cuh"
 
 namespace moerunner::kernels {
 
@@ -188,6 +189,8 @@ __global__ void __launch_bounds__(plan_threads) build_plan_single_tile_kernel(pl
   __shared__ typename block_scan::TempStorage s_scan;
   const int tid = static_cast<int>(threadIdx.x), E = a.num_experts;
   const bool schedule = a.tiles != nullptr;
+  // A GEMM launched as our programmatic dependent may set itself up while this block runs.
+  allow_dependent_grids();
 
   for (int i = tid; i < plan_warps * E; i += plan_threads) s_warp_count[i] = 0;
   __syncthreads();
@@ -234,6 +237,7 @@ __global__ void __launch_bounds__(plan_threads) build_plan_single_tile_kernel(pl
 }
 
 // Tiled path, step 1 of 3: each tile's per-expert counts and bad-id flag.
+template <int = 0>  // a template: see moe_tile_schedule_kernel
 __global__ void __launch_bounds__(plan_threads) plan_count_kernel(plan_args a) {
   __shared__ int s_count[gpu::plan_max_experts];
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, E = a.num_experts;
@@ -259,6 +263,7 @@ __global__ void __launch_bounds__(plan_threads) plan_count_kernel(plan_args a) {
 // Tiled path, step 2 of 3 (one block): per expert, the exclusive prefix of its counts over
 // tiles (a warp per expert, several experts' loads in flight at once); then the expert
 // offsets, the error flag and, on request, the M-tile schedule.
+template <int = 0>  // a template: see moe_tile_schedule_kernel
 __global__ void __launch_bounds__(plan_scan_threads, 1) plan_scan_kernel(plan_args a) {
   using warp_scan = cub::WarpScan<int>;
   // Warp scans: raking would give each raking thread 32 64-bit items, more registers than
@@ -324,6 +329,7 @@ __global__ void __launch_bounds__(plan_scan_threads, 1) plan_scan_kernel(plan_ar
 }
 
 // Tiled path, step 3 of 3: ranks each tile's slots again and writes both maps.
+template <int = 0>  // a template: see moe_tile_schedule_kernel
 __global__ void __launch_bounds__(plan_threads) plan_scatter_kernel(plan_args a) {
   __shared__ int s_warp_count[plan_warps * gpu::plan_max_experts];
   const int tid = static_cast<int>(threadIdx.x), E = a.num_experts;

@@ -57,6 +57,9 @@ __device__ __forceinline__ void write_m_tiles(const int* first_tile, const int* 
 }
 
 // One block: the schedule from the plan's expert offsets, for up to schedule_max_experts experts.
+// A template with nothing to give (moe_tile_schedule_kernel<>) so that the header may be
+// included by several translation units of one program, as CUB's kernels are.
+template <int = 0>
 __global__ void __launch_bounds__(schedule_threads)
     moe_tile_schedule_kernel(const std::int32_t* __restrict__ expert_offsets, int num_experts, int block_m,
                              gpu::moe_m_tile* __restrict__ tiles, std::int32_t* __restrict__ tile_count,

@@ -211,13 +211,16 @@ struct moe_gemm_wgmma {
     // All rows this thread copies are congruent mod 8, so the swizzled chunk is the same for all.
     const int st_chunk = ld_chunk ^ (ld_row & 7);
     const int k_tiles = (p.k + bk - 1) / bk;
-    const std::int64_t work = static_cast<std::int64_t>(*p.tile_count) * p.n_tiles;
+    const int tiles = *p.tile_count;
+    const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles * p.k_splits;
     std::uint32_t it = 0;  // K tiles issued so far, over every work item of this CTA
     for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
-      const int m_tile = static_cast<int>(w / p.n_tiles);
-      const int n0 = static_cast<int>(w % p.n_tiles) * out_cols;
-      const gpu::moe_m_tile tile = p.tiles[m_tile];
+      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, tuning.raster_band);
+      const int n0 = item.n_tile * out_cols;
+      const gpu::moe_m_tile tile = p.tiles[item.m_tile];
       const int rows = tile.row_end - tile.row_begin;
+      int kt_begin = 0, kt_end = 0;
+      split_k_range(k_tiles, item.split, p.k_splits, kt_begin, kt_end);
       int a_src_row[a_passes];
 #pragma unroll
       for (int i = 0; i < a_passes; ++i) {
@@ -226,7 +229,7 @@ struct moe_gemm_wgmma {
         else if constexpr (Kind == moe_gemm_kind::down) a_src_row[i] = tile.row_begin + r;
         else a_src_row[i] = p.row_to_slot[tile.row_begin + r] / p.top_k;
       }
-      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
         const int stage = static_cast<int>(it % stages);
         // A fresh barrier counts as having completed the phase before its first (parity 1).
         mbarrier_wait(&bars.empty[stage], ((it / stages) & 1) ^ 1);
@@ -265,21 +268,27 @@ struct moe_gemm_wgmma {
     const int group = threadIdx.x / 128 - 1;  // consumer warpgroup: rows [64 group, 64 group + 64)
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int k_tiles = (p.k + bk - 1) / bk;
-    const std::int64_t work = static_cast<std::int64_t>(*p.tile_count) * p.n_tiles;
+    // GEMM1 clears the output GEMM2 accumulates into while the first K tiles load.
+    if constexpr (Kind != moe_gemm_kind::down)
+      clear_output(p, static_cast<int>(threadIdx.x) - producer_threads, 128 * consumers);
+    const int tiles = *p.tile_count;
+    const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles * p.k_splits;
     const std::uint32_t ring_addr = smem_address(ring);
     std::uint32_t it = 0;
     float acc[128];
     for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
-      const int m_tile = static_cast<int>(w / p.n_tiles);
-      const int n0 = static_cast<int>(w % p.n_tiles) * out_cols;
-      const gpu::moe_m_tile tile = p.tiles[m_tile];
+      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, tuning.raster_band);
+      const int n0 = item.n_tile * out_cols;
+      const gpu::moe_m_tile tile = p.tiles[item.m_tile];
       const int rows = tile.row_end - tile.row_begin;
+      int kt_begin = 0, kt_end = 0;
+      split_k_range(k_tiles, item.split, p.k_splits, kt_begin, kt_end);
       // A warpgroup whose 64 rows are all past the tile still keeps the barrier protocol.
       const bool active = 64 * group < rows;
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
       wgmma_fence_operands(acc);
-      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
         const int stage = static_cast<int>(it % stages);
         mbarrier_wait(&bars.full[stage], (it / stages) & 1);
         if (active) {
@@ -296,12 +305,12 @@ struct moe_gemm_wgmma {
         // One wgmma group stays in flight; the one before it has retired, so its stage is free.
         wgmma_wait<1>();
         wgmma_fence_operands(acc);
-        if (kt > 0 && lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
+        if (kt > kt_begin && lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
       }
       wgmma_wait<0>();
       wgmma_fence_operands(acc);
       if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
-      if (active) epilogue(p, tile, n0, group, warp, lane, acc);
+      if (active) epilogue(p, tile, n0, item.split, group, warp, lane, acc);
     }
   }
 
@@ -309,7 +318,7 @@ struct moe_gemm_wgmma {
   // warpgroup's 64 rows and B-tile column 8j + 2(lane % 4) + q (the PTX m64nNk16 D layout);
   // so for gate_up the up value of gate register 4j + 2h + q is register 4(j + 16) + 2h + q.
   __device__ __forceinline__ static void epilogue(const moe_gemm_params<T>& p, const gpu::moe_m_tile& tile, int n0,
-                                                  int group, int warp, int lane, float (&acc)[128]) {
+                                                  int split, int group, int warp, int lane, float (&acc)[128]) {
     const int rows = tile.row_end - tile.row_begin;
     const int col0 = n0 + 2 * (lane % 4);
 #pragma unroll
@@ -317,16 +326,29 @@ struct moe_gemm_wgmma {
       const int r = 64 * group + 16 * warp + lane / 4 + 8 * h;
       if (r >= rows) continue;
       const int row = tile.row_begin + r;
-      T* out = p.c + static_cast<std::int64_t>(row) * p.n;
       if constexpr (Kind == moe_gemm_kind::down) {
+        if (p.store == down_store::partials) {
+          float* part = p.partials + split * p.split_stride + static_cast<std::int64_t>(row) * p.n;
+#pragma unroll
+          for (int j = 0; j < 32; ++j) {
+            const int col = col0 + 8 * j;
+            if (col < p.n)
+              *reinterpret_cast<float2*>(part + col) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          }
+          continue;
+        }
+        const down_target<T> t = down_target<T>::at(p, row);
+        const bool add = p.store == down_store::accumulate;
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
           const int col = col0 + 8 * j;  // n is a multiple of 8: a pair is wholly in or out
-          if (col < p.n)
-            *reinterpret_cast<std::uint32_t*>(out + col) =
-                mma_16816<T>::pack2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          if (col >= p.n) continue;
+          const float lo = acc[4 * j + 2 * h] * t.factor, hi = acc[4 * j + 2 * h + 1] * t.factor;
+          if (add) atomic_add2(t.dst + col, lo, hi);
+          else *reinterpret_cast<std::uint32_t*>(t.dst + col) = mma_16816<T>::pack2(lo, hi);
         }
       } else {
+        T* out = p.c + static_cast<std::int64_t>(row) * p.n;
         // act(W (w x)) = act(w (W x)): the router weight scales the f32 accumulators instead of x.
         const float scale = p.input_weights != nullptr ? p.input_weights[p.row_to_slot[row]] : 1.0f;
         constexpr int col_blocks = Kind == moe_gemm_kind::gate_up ? 16 : 32;
@@ -349,10 +371,10 @@ struct moe_gemm_wgmma {
   }
 };
 
-// Persistent CTAs over work items w = m_tile * n_tiles + n_tile (N fastest), as the mma.sync
-// kernel. The body exists only in sm_90a code; elsewhere it traps, and its static shared
-// memory is then zero, which is how the launch code tells that it cannot run (see
-// gpu::wgmma_gemm_available).
+// Persistent CTAs over work items in decode_work_item's order, as the mma.sync kernel, with
+// K split into p.k_splits ranges (GEMM2 into the output or into f32 parts only). The body
+// exists only in sm_90a code; elsewhere it traps, and its static shared memory is then zero,
+// which is how the launch code tells that it cannot run (see gpu::wgmma_gemm_available).
 template <class T, class Policy, moe_gemm_kind Kind>
 __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
     moe_grouped_gemm_wgmma_kernel(const moe_gemm_params<T> p, const __grid_constant__ CUtensorMap b_map) {
@@ -371,8 +393,13 @@ __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
       cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps);
     }
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(&b_map) : "memory");
   }
   __syncthreads();
+  // Launched as a programmatic dependent of the kernel before it (see launch_moe_gemm_wgmma):
+  // the set-up above overlapped that kernel's tail; everything below reads what it wrote.
+  wait_for_prior_grids();
+  allow_dependent_grids();
   if (threadIdx.x < tile_t::producer_threads) {
     setmaxnreg_dec<tile_t::producer_regs>();
     tile_t::producer(p, &b_map, ring, bars);

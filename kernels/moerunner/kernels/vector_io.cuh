@@ -31,6 +31,9 @@ __device__ __forceinline__ void load_f32(const T* p, float (&v)[VEC]) {
     const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) v[i] = to_f32(e[i]);
+  } else if constexpr (VEC == 8 && std::is_same_v<T, float>) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
   } else {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) v[i] = to_f32(p[i]);

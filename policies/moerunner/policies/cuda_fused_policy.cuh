@@ -2,45 +2,50 @@
 // kernels with tensor-core GEMMs, bf16 or f16 in, f32 accumulate.
 //
 // Pipeline, all on the caller's stream:
-//   routing plan (device counts, offsets, slot order; -1 ids skipped)
-//   -> M-tile schedule from the device-side expert offsets (one small block)
+//   routing plan (device counts, offsets, slot order; -1 ids skipped) and the M-tile
+//      schedule from the expert offsets, in the same kernel (one block at decode sizes)
 //   -> GEMM1: rows gathered from x inside the load (no permuted copy), times w13[e]^T; each
 //      CTA loads the gate rows and the up rows of the same columns, so its epilogue pairs gate
 //      column i with up column I+i, applies the activation in f32 and writes act [R, I]
 //      (apply_router_weight_on_input scales the f32 accumulators: act(W(w x)) = act(w (W x)))
-//   -> GEMM2: act [R, I] times w2[e]^T -> rows [R, H]
-//   -> combine_rows: each token's k rows times its router weight (unless applied on the input)
-//      and routed_scaling_factor (unless the weights carry it), in a fixed order; or [M, k, H]
-//      with no_combine.
+//   -> GEMM2: act [R, I] times w2[e]^T; its epilogue multiplies each row by its router weight
+//      (unless applied on the input) and routed_scaling_factor (unless the weights carry it) and
+//        - default: adds it into its token's output row with packed atomics (GEMM1 zeroed the
+//          output; with inplace a memset does, after GEMM1 has read x). The order of the
+//          additions per token varies from run to run, so the last bit may too;
+//        - deterministic: writes rows [R, H], which combine_rows sums per token in slot order;
+//        - no_combine: writes each row to its [token, slot] place in the output (deterministic).
+//      At decode, where GEMM2's (M tile, N tile) items leave SMs idle, the wgmma GEMM2 also
+//      splits K over more CTAs: their parts meet in the atomics, or (deterministic) are
+//      written as f32 parts that combine_rows sums in split order.
 // The GEMM grids are persistent and sized from M, k, E only, so no per-expert count ever
 // reaches the host: no allocation and no host synchronization inside a run, which makes it
-// CUDA-graph capturable. The GEMM tuning is picked by gpu::select_gemm_tuning from the
-// architecture of the code the device runs (sm_90a code: the sm90 tuning; sm_80 code: sm80).
-// set_gemm_tuning(gpu::gemm_tuning_choice::sm90_wgmma) opts into the Hopper wgmma + TMA
-// GEMMs (sm_90a code only; the selector does not pick them yet).
+// CUDA-graph capturable. The GEMM tuning is picked by gpu::select_gemm_tuning from the code
+// the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
+// sm90 tuning, sm_80 code sm80. set_gemm_tuning forces one (tests, benchmarks).
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
 //   - hidden_size and intermediate_size are multiples of 8 (16-byte loads along K and
 //     16-byte stores along N); within that any size works, multiples of the GEMM tiles or not;
-//   - hidden_states, w13 and w2 start on 16-byte boundaries (cudaMalloc gives 256);
+//   - hidden_states, w13 and w2 start on 16-byte boundaries (cudaMalloc gives 256), and so
+//     does the output unless deterministic is set with combining (GEMM2 stores into it);
 //   - num_tokens * top_k fits in 32 bits.
-// The workspace needs no particular alignment: run aligns its pieces itself. The output
-// needs none either (combine falls back to scalar stores).
+// The workspace needs no particular alignment: run aligns its pieces itself.
 // An expert id outside [-1, num_local_experts) counts as -1 (the slot contributes nothing) and
 // sets the routing plan's device-side error flag; rejecting it on the host would need a round
 // trip, which a graph-capturable backend cannot make (cublas_grouped makes it and rejects).
 //
 // Known limits: at most gpu::plan_max_experts local experts (the routing plan's bound); a
-// tile of 128 rows per expert even at decode, where each active expert's weights are then
-// streamed by only ceil(N / 128) CTAs (no split-K yet); mma.sync on Hopper by default (the
-// wgmma/TMA tuning is opt-in until it has been validated and measured on a device).
+// tile of 128 rows per expert even at decode (the MMA work of a short tile is wasted, the
+// weight stream is what costs there).
 #pragma once
 
 #if !defined(__CUDACC__)
 #error "moerunner/policies/cuda_fused_policy.cuh needs nvcc: include it from a .cu file"
 #endif
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -60,6 +65,7 @@
 #include "moerunner/gpu/grouped_gemm.cuh"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/gpu/permute.cuh"
+#include "moerunner/gpu/plan_schedule.cuh"
 #include "moerunner/gpu/routing_plan.hpp"
 #include "moerunner/gpu/sm90_grouped_gemm_wgmma.cuh"
 #include "moerunner/runner/validate.hpp"
@@ -86,9 +92,13 @@ class cuda_fused_policy {
   void set_gemm_tuning(gpu::gemm_tuning_choice choice) noexcept { tuning_ = choice; }
   gpu::gemm_tuning_choice gemm_tuning() const noexcept { return tuning_; }
 
-  // Alignment slack + routing plan + M-tile schedule + act [M*k, I] + rows [M*k, H],
-  // each piece 256-byte aligned; exactly what run_from_dispatch carves.
-  std::size_t workspace_bytes(std::int64_t num_tokens) const { return layout(num_tokens).total; }
+  // Alignment slack + routing plan + M-tile schedule + act [M*k, I], each piece 256-byte
+  // aligned, and when deterministic and combining the rows GEMM2 writes for combine: [M*k, H]
+  // at 2 bytes, or where GEMM2 splits K at decode its f32 parts [splits, M*k, H] (the split
+  // count depends on the current device's SM count). Exactly what run_from_dispatch carves.
+  std::size_t workspace_bytes(std::int64_t num_tokens) const {
+    return layout(num_tokens, down_k_splits(num_tokens, gpu::current_sm_count_or_zero())).total;
+  }
 
   CombineInput run_from_dispatch(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
                                  workspace_view ws, cuda::stream_ref stream_ref) {
@@ -114,15 +124,22 @@ class cuda_fused_policy {
     check::aligned(q.w2, pointer_alignment, where, "w2");
     const std::int64_t m = d.num_tokens();
     MOE_EXPECT(m * cfg_.top_k() <= 0x7fffffff, where, "num_tokens * top_k must fit in 32 bits");
-    const pieces lay = layout(m);
+    const gpu::device_facts dev = gpu::current_device_facts();
+    const int splits = down_k_splits(m, dev.sm_count);
+    const pieces lay = layout(m, splits);
     detail::validate_workspace(lay.total, ws, where);
+    if (store_mode() != kernels::down_store::rows)
+      MOE_EXPECT(reinterpret_cast<std::uintptr_t>(out.data) % pointer_alignment == 0, where,
+                 "the output must be 16-byte aligned (GEMM2 stores into it; deterministic mode with combining "
+                 "takes any alignment)");
 
     const CombineInput result{out, !cfg_.no_combine()};
     if (m == 0) return result;
 
-    const gpu::device_facts dev = gpu::current_device_facts();
     const gpu::gemm_tuning_choice choice =
-        tuning_ == gpu::gemm_tuning_choice::automatic ? gpu::select_gemm_tuning(dev.code_arch) : tuning_;
+        tuning_ == gpu::gemm_tuning_choice::automatic
+            ? gpu::select_gemm_tuning(dev.code_arch, dev.code_arch >= 90 && gpu::wgmma_gemm_available(dev))
+            : tuning_;
     const int min_arch = gpu::gemm_tuning_min_arch(choice);
     if (dev.code_arch < min_arch)
       throw unsupported_error(std::string(where) + ": GEMM tuning '" + std::string(gpu::gemm_tuning_name(choice)) +
@@ -139,16 +156,16 @@ class cuda_fused_policy {
     const cudaStream_t s = stream_ref.get();
     switch (choice) {
       case gpu::gemm_tuning_choice::sm90_wgmma:
-        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s);
-        else run_pipeline<__half, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s);
+        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
+        else run_pipeline<__half, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
         break;
       case gpu::gemm_tuning_choice::sm90:
-        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, s);
-        else run_pipeline<__half, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, s);
+        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, s, 1);
+        else run_pipeline<__half, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, s, 1);
         break;
       default:
-        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm80_gemm_policy>(d, q, out, ws, lay, dev, s);
-        else run_pipeline<__half, gpu::sm80_gemm_policy>(d, q, out, ws, lay, dev, s);
+        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm80_gemm_policy>(d, q, out, ws, lay, dev, s, 1);
+        else run_pipeline<__half, gpu::sm80_gemm_policy>(d, q, out, ws, lay, dev, s, 1);
         break;
     }
     return result;
@@ -169,7 +186,23 @@ class cuda_fused_policy {
     std::size_t total = 0;  // including the slack that aligns the start
   };
 
-  pieces layout(std::int64_t num_tokens) const {
+  // Where GEMM2 puts its rows (see the pipeline at the top), without K splits.
+  kernels::down_store store_mode() const {
+    if (cfg_.no_combine()) return kernels::down_store::slots;
+    return cfg_.deterministic() ? kernels::down_store::rows : kernels::down_store::accumulate;
+  }
+
+  // GEMM2's K splits on the wgmma path (1 on the mma.sync ones): only when it combines, and
+  // only where the (M tile, N tile) items leave SMs idle (decode).
+  int down_k_splits(std::int64_t num_tokens, int sm_count) const {
+    if (cfg_.no_combine() || num_tokens <= 0) return 1;
+    const std::int64_t slots = num_tokens * cfg_.top_k();
+    const std::int64_t tile_bound =
+        std::min(gpu::moe_m_tile_capacity(slots, cfg_.num_local_experts(), gpu::moe_gemm_block_m), slots);
+    return gpu::wgmma_down_k_splits(tile_bound, cfg_.hidden_size(), cfg_.intermediate_size(), sm_count);
+  }
+
+  pieces layout(std::int64_t num_tokens, int splits) const {
     const auto slots = static_cast<std::size_t>(num_tokens) * static_cast<std::size_t>(cfg_.top_k());
     const int e = cfg_.num_local_experts();
     pieces p;
@@ -179,7 +212,12 @@ class cuda_fused_policy {
         round_up(gpu::tile_schedule_bytes(static_cast<std::int64_t>(slots), e, gpu::moe_gemm_block_m));
     p.act = p.schedule + p.schedule_bytes;
     p.rows = p.act + round_up(slots * static_cast<std::size_t>(cfg_.intermediate_size()) * element_bytes);
-    const std::size_t end = p.rows + round_up(slots * static_cast<std::size_t>(cfg_.hidden_size()) * element_bytes);
+    const std::size_t row_elems = slots * static_cast<std::size_t>(cfg_.hidden_size());
+    std::size_t rows_bytes = 0;
+    if (store_mode() == kernels::down_store::rows)
+      rows_bytes = round_up(splits > 1 ? static_cast<std::size_t>(splits) * row_elems * sizeof(float)
+                                       : row_elems * element_bytes);
+    const std::size_t end = p.rows + rows_bytes;
     p.total = end + piece_alignment;
     return p;
   }
@@ -194,7 +232,8 @@ class cuda_fused_policy {
 
   template <class T, class GemmPolicy>
   void run_pipeline(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
-                    workspace_view ws, const pieces& lay, const gpu::device_facts& dev, cudaStream_t stream) {
+                    workspace_view ws, const pieces& lay, const gpu::device_facts& dev, cudaStream_t stream,
+                    int splits) {
     constexpr auto tuning = GemmPolicy::tuning;
     static_assert(tuning.block_m == gpu::moe_gemm_block_m, "the workspace is sized for one M-tile schedule");
     const std::int64_t m = d.num_tokens();
@@ -204,13 +243,15 @@ class cuda_fused_policy {
     start = (start + piece_alignment - 1) / piece_alignment * piece_alignment;
     char* base = reinterpret_cast<char*>(start);
 
-    const gpu::routing_plan plan =
-        gpu::build_routing_plan(d.topk.topk_ids, cfg_.num_local_experts(), base + lay.plan, lay.plan_bytes, stream);
-    const gpu::tile_schedule schedule =
-        gpu::build_tile_schedule(plan, slots, tuning.block_m, base + lay.schedule, lay.schedule_bytes, stream);
+    const auto [plan, schedule] =
+        gpu::build_routing_plan_and_schedule(d.topk.topk_ids, cfg_.num_local_experts(), tuning.block_m, base + lay.plan,
+                                             lay.plan_bytes, base + lay.schedule, lay.schedule_bytes, stream);
     T* act = reinterpret_cast<T*>(base + lay.act);
-    T* rows = reinterpret_cast<T*>(base + lay.rows);
     const float* weights = d.topk.topk_weights.ptr<const float>();
+    const kernels::down_store store = store_mode();
+    // GEMM1 zeroes what GEMM2 adds into (accumulate), or the slots no row reaches (no_combine);
+    // an output that aliases x (inplace) is zeroed only once GEMM1 has read x.
+    const bool clear_in_gemm1 = store != kernels::down_store::rows && !cfg_.inplace();
 
     kernels::moe_gemm_params<T> g1{};
     g1.a = d.hidden_states.ptr<const T>();
@@ -223,23 +264,45 @@ class cuda_fused_policy {
     g1.c = act;
     g1.input_weights = cfg_.apply_router_weight_on_input() ? weights : nullptr;
     g1.act = cfg_.act();
+    if (clear_in_gemm1) {
+      g1.clear = static_cast<uint4*>(out.data);
+      g1.clear_vectors = static_cast<std::int64_t>(out.bytes() / sizeof(uint4));  // H % 8 == 0: whole vectors
+    }
     if (cfg_.is_gated()) launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream);
     else launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream);
+    if (store != kernels::down_store::rows && !clear_in_gemm1)
+      MOE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, out.bytes(), stream));
 
+    const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
+    const float* row_weights = cfg_.apply_router_weight_on_input() ? nullptr : weights;
     kernels::moe_gemm_params<T> g2{};
     g2.a = act;
+    g2.row_to_slot = plan.row_to_slot;
     g2.top_k = k;
     g2.b = q.w2.ptr<const T>();
     g2.b_rows_per_expert = hidden;
     g2.n = hidden;
     g2.k = inter;
-    g2.c = rows;
     g2.act = cfg_.act();
+    g2.k_splits = splits;
+    // Deterministic split-K: f32 parts per split, summed in split order by combine.
+    g2.store = store == kernels::down_store::rows && splits > 1 ? kernels::down_store::partials : store;
+    if (g2.store == kernels::down_store::partials) {
+      g2.partials = reinterpret_cast<float*>(base + lay.rows);
+      g2.split_stride = slots * hidden;
+    } else if (store == kernels::down_store::rows) {
+      g2.c = reinterpret_cast<T*>(base + lay.rows);
+    } else {
+      g2.c = static_cast<T*>(out.data);
+      g2.out_weights = row_weights;
+      g2.out_scale = scale;
+    }
     launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream);
 
-    const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
-    gpu::combine_rows(rows, d.hidden_states.type, plan, cfg_.apply_router_weight_on_input() ? nullptr : weights,
-                      scale, out, cfg_.no_combine(), stream);
+    if (g2.store == kernels::down_store::partials)
+      gpu::combine_rows(g2.partials, dtype::f32, plan, row_weights, scale, out, false, stream, splits);
+    else if (store == kernels::down_store::rows)
+      gpu::combine_rows(g2.c, d.hidden_states.type, plan, row_weights, scale, out, false, stream);
   }
 
   MoeRunnerConfig cfg_;
