@@ -152,7 +152,8 @@ namespace {
 
 // What combine_rows computes, in the same f32 operations and order, rounded as the device rounds.
 std::vector<float> emulate_combine(const host_tensor& rows, const mr::test::expected_plan& plan, const shape& s,
-                                   int h, const float* weights, float scale, bool no_combine) {
+                                   int h, const float* weights, float scale, bool no_combine, int splits = 1) {
+  const std::int64_t part = s.m * s.k * static_cast<std::int64_t>(h);
   std::vector<float> out(static_cast<std::size_t>(s.m) * (no_combine ? s.k : 1) * h);
   for (std::int64_t t = 0; t < s.m; ++t)
     for (int c = 0; c < h; ++c) {
@@ -163,6 +164,7 @@ std::vector<float> emulate_combine(const host_tensor& rows, const mr::test::expe
         float v = 0.0f;
         if (r >= 0) {
           v = mr::test::element(rows.view, static_cast<std::int64_t>(r) * h + c);
+          for (int p = 1; p < splits; ++p) v += mr::test::element(rows.view, p * part + static_cast<std::int64_t>(r) * h + c);
           if (!no_combine) acc = weights ? std::fma(weights[slot], v, acc) : acc + v;
           v = scale * ((weights ? weights[slot] : 1.0f) * v);
         }
@@ -188,6 +190,7 @@ struct combine_setup {
   mr::dtype in_t, out_t;
   bool use_weights, no_combine;
   float scale;
+  int splits;
   std::vector<std::int32_t> ids;
   mr::test::expected_plan want;
   mr::test::device_plan d;
@@ -196,15 +199,17 @@ struct combine_setup {
   device_buffer out;
   mr::tensor_view out_view;
 
-  combine_setup(const shape& s_, int h_, mr::dtype in, mr::dtype o, bool w, bool nc, float sc, std::mt19937& rng)
-      : s(s_), h(h_), in_t(in), out_t(o), use_weights(w), no_combine(nc), scale(sc), ids(routed_ids(s, rng)),
-        want(mr::test::expect_plan(ids, s.e)), d(ids, s.m, s.k, s.e), rows(in, {s.m * s.k, h}),
-        weights(mr::dtype::f32, {s.m, s.k}) {
+  combine_setup(const shape& s_, int h_, mr::dtype in, mr::dtype o, bool w, bool nc, float sc, std::mt19937& rng,
+                int splits_ = 1)
+      : s(s_), h(h_), in_t(in), out_t(o), use_weights(w), no_combine(nc), scale(sc), splits(splits_),
+        ids(routed_ids(s, rng)), want(mr::test::expect_plan(ids, s.e)), d(ids, s.m, s.k, s.e),
+        rows(in, {splits_ * s.m * s.k, h}), weights(mr::dtype::f32, {s.m, s.k}) {
     mr::test::fill_random(rows, rng, 2.0f);
-    // Rows past the valid count must never be read: NaN there would show in the output.
-    const std::int64_t valid = want.offsets[s.e];
-    for (std::int64_t i = valid * h; i < rows.numel(); ++i)
-      mr::test::set_element(rows.view, i, std::numeric_limits<float>::quiet_NaN());
+    // Rows past the valid count (in every part) must never be read: NaN there would show in the output.
+    const std::int64_t valid = want.offsets[s.e], part = s.m * s.k * static_cast<std::int64_t>(h);
+    for (int p = 0; p < splits; ++p)
+      for (std::int64_t i = valid * h; i < part; ++i)
+        mr::test::set_element(rows.view, p * part + i, std::numeric_limits<float>::quiet_NaN());
     std::uniform_real_distribution<float> u(0.05f, 1.0f);
     for (std::int64_t i = 0; i < weights.numel(); ++i) weights.view.ptr<float>()[i] = u(rng);
     d_rows = device_tensor(rows);
@@ -218,7 +223,7 @@ struct combine_setup {
   host_tensor run() {
     out.poison(poison_byte);
     mr::gpu::combine_rows(d_rows.view.data, in_t, d.plan, use_weights ? d_weights.view.ptr<const float>() : nullptr,
-                          scale, out_view, no_combine, nullptr);
+                          scale, out_view, no_combine, nullptr, splits);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
     host_tensor got = no_combine ? host_tensor(out_t, {s.m, s.k, h}) : host_tensor(out_t, {s.m, h});
     if (out.bytes()) MOE_CUDA_CHECK(cudaMemcpy(got.view.data, out.get(), out.bytes(), cudaMemcpyDeviceToHost));
@@ -264,6 +269,34 @@ TEST_CASE("combine_rows is bit-identical to an f32 emulation of its fixed order"
           }
 }
 
+TEST_CASE("combine_rows sums f32 row parts (K-split partial sums) in order, bit for bit") {
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  int n = 0;
+  for (const shape& s : shapes)
+    for (int splits : {1, 2, 7})
+      for (int h : {8, 13, 2048})
+        for (bool no_combine : {false, true}) {
+          const bool use_weights = n % 2 == 0;
+          const float scale = n % 3 == 0 ? 2.5f : 1.0f;
+          ++n;
+          CAPTURE(dims(s));
+          CAPTURE(splits);
+          CAPTURE(h);
+          CAPTURE(no_combine);
+          combine_setup cs(s, h, mr::dtype::f32, mr::dtype::bf16, use_weights, no_combine, scale, rng, splits);
+          const host_tensor got = cs.run();
+          const auto want = emulate_combine(cs.rows, cs.want, s, h, use_weights ? cs.weights.view.ptr<float>() : nullptr,
+                                            scale, no_combine, splits);
+          int bad = 0;
+          for (std::size_t i = 0; i < want.size(); ++i)
+            if (!same_bits(got, static_cast<std::int64_t>(i), want[i], mr::dtype::bf16) && ++bad <= 5)
+              MESSAGE("element " << i << ": gpu " << mr::test::element(got.view, i) << " expected " << want[i]);
+          CHECK(bad == 0);
+        }
+}
+
 TEST_CASE("combine_rows gives the same bits on 100 runs") {
   std::mt19937 rng(mr::test::test_seed());
   combine_setup cs({1000, 8, 128}, 2048, mr::dtype::bf16, mr::dtype::bf16, true, false, 2.5f, rng);
@@ -306,7 +339,12 @@ TEST_CASE("row kernels: bad arguments throw and write nothing") {
                   mr::invalid_argument_error);
   CHECK_THROWS_AS(mr::gpu::combine_rows(rows.get(), mr::dtype::bf16, d.plan, nullptr, 1.0f, out_i32, false, nullptr),
                   mr::invalid_argument_error);
-  CHECK_THROWS_AS(mr::gpu::combine_rows(rows.get(), mr::dtype::f32, d.plan, nullptr, 1.0f, out2, false, nullptr),
+  CHECK_THROWS_AS(mr::gpu::combine_rows(rows.get(), mr::dtype::i32, d.plan, nullptr, 1.0f, out2, false, nullptr),
+                  mr::invalid_argument_error);
+  CHECK_THROWS_AS(mr::gpu::combine_rows(rows.get(), mr::dtype::bf16, d.plan, nullptr, 1.0f, out2, false, nullptr, 0),
+                  mr::invalid_argument_error);
+  CHECK_THROWS_AS(mr::gpu::combine_rows(static_cast<char*>(rows.get()) + 2, mr::dtype::f32, d.plan, nullptr, 1.0f,
+                                        out2, false, nullptr),
                   mr::invalid_argument_error);
   CHECK_THROWS_AS(mr::gpu::combine_rows(rows.get(), mr::dtype::bf16, d.plan, nullptr, NAN, out2, false, nullptr),
                   mr::invalid_argument_error);
