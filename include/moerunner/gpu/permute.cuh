@@ -16,6 +16,7 @@
 #include "moerunner/core/config.hpp"
 #include "moerunner/core/tensor_view.hpp"
 #include "moerunner/gpu/cuda_check.hpp"
+#include "moerunner/gpu/pdl_launch.cuh"
 #include "moerunner/gpu/routing_plan.hpp"
 #include "moerunner/kernels/kernel_permute.cuh"
 
@@ -94,9 +95,11 @@ inline plan_build prepare_routing_plan(const tensor_view& topk_ids, int num_expe
 inline void launch_routing_plan(const kernels::plan_args& a, cudaStream_t stream) {
   constexpr unsigned threads = kernels::plan_threads;
   if (a.num_slots <= plan_single_tile_slots) {
-    if (a.num_slots <= threads) kernels::build_plan_single_tile_kernel<1><<<1, threads, 0, stream>>>(a);
-    else if (a.num_slots <= 4 * threads) kernels::build_plan_single_tile_kernel<4><<<1, threads, 0, stream>>>(a);
-    else kernels::build_plan_single_tile_kernel<16><<<1, threads, 0, stream>>>(a);
+    // A programmatic dependent of the routing kernel before it: the launch overlaps its tail.
+    const auto kernel = a.num_slots <= threads       ? kernels::build_plan_single_tile_kernel<1>
+                        : a.num_slots <= 4 * threads ? kernels::build_plan_single_tile_kernel<4>
+                                                     : kernels::build_plan_single_tile_kernel<16>;
+    launch_dependent(kernel, dim3(1), dim3(threads), 0, stream, a);
     MOE_CUDA_CHECK_LAUNCH("build_plan_single_tile_kernel");
     return;
   }

@@ -26,6 +26,7 @@
 #include "moerunner/gpu/cuda_check.hpp"
 #include "moerunner/gpu/grouped_gemm.cuh"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
+#include "moerunner/gpu/pdl_launch.cuh"
 #include "moerunner/kernels/sm90_kernel_grouped_gemm_wgmma.cuh"
 
 namespace moerunner::gpu {
@@ -154,19 +155,9 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   p.tiles = schedule.tiles;
   p.tile_count = schedule.count;
   p.n_tiles = static_cast<int>(n_tiles);
-  // A programmatic dependent launch: the CTAs may start (barrier set-up, descriptor prefetch)
-  // while the previous kernel on the stream drains; the kernel waits before reading its output.
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(tuning.threads());
-  config.dynamicSmemBytes = tuning.smem_bytes();
-  config.stream = stream;
-  config.attrs = &attr;
-  config.numAttrs = 1;
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernels::moe_grouped_gemm_wgmma_kernel<T, policy, Kind>, p, map));
+  // The CTAs may start (barrier set-up, descriptor prefetch) while the previous kernel drains.
+  launch_dependent(kernels::moe_grouped_gemm_wgmma_kernel<T, policy, Kind>, dim3(grid), dim3(tuning.threads()),
+                   tuning.smem_bytes(), stream, p, map);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_kernel");
 }
 

@@ -189,7 +189,9 @@ __global__ void __launch_bounds__(plan_threads) build_plan_single_tile_kernel(pl
   __shared__ typename block_scan::TempStorage s_scan;
   const int tid = static_cast<int>(threadIdx.x), E = a.num_experts;
   const bool schedule = a.tiles != nullptr;
-  // A GEMM launched as our programmatic dependent may set itself up while this block runs.
+  // Launched as a programmatic dependent of the routing kernel: wait for its ids. A GEMM
+  // launched as ours may set itself up while this block runs.
+  wait_for_prior_grids();
   allow_dependent_grids();
 
   for (int i = tid; i < plan_warps * E; i += plan_threads) s_warp_count[i] = 0;

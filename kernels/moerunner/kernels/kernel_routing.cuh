@@ -13,6 +13,7 @@
 
 #include "moerunner/core/config.hpp"
 #include "moerunner/core/portable_math.hpp"
+#include "moerunner/kernels/pdl.cuh"
 #include "moerunner/kernels/vector_io.cuh"
 #include "moerunner/routing/topk_rules.hpp"
 
@@ -147,6 +148,8 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
   const int lane = static_cast<int>(threadIdx.x) % lanes, warp = static_cast<int>(threadIdx.x) / lanes;
   const int E = p.num_experts, k = p.top_k;
   const T* logits = static_cast<const T*>(p.logits);
+  // The routing plan, launched as our programmatic dependent, may start while this runs.
+  allow_dependent_grids();
 
   // The loop bound is the same on every lane of a warp, so the warp collectives never diverge.
   for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * topk_warps_per_block + warp; t < p.num_tokens;
