@@ -9,6 +9,8 @@
 #error "moerunner/gpu/pdl_launch.cuh needs nvcc: include it from a .cu file"
 #endif
 
+#include <array>
+#include <atomic>
 #include <cstddef>
 #include <utility>
 
@@ -17,6 +19,21 @@
 #include "moerunner/gpu/cuda_check.hpp"
 
 namespace moerunner::gpu {
+
+// Whether the current device has programmatic dependent launch (compute capability 9.0+),
+// cached per device; older devices get plain launches.
+inline bool device_has_pdl() {
+  constexpr int cached_devices = 64;
+  static std::array<std::atomic<int>, cached_devices> cache{};  // 0 unknown, 1 no, 2 yes
+  int device = 0, major = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= 0 && device < cached_devices) {
+    if (const int c = cache[device].load(std::memory_order_relaxed); c > 0) return c == 2;
+  }
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (device >= 0 && device < cached_devices) cache[device].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
+  return major >= 9;
+}
 
 template <class... Params, class... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes, cudaStream_t stream,
@@ -30,7 +47,7 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::siz
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   config.attrs = &attr;
-  config.numAttrs = 1;
+  config.numAttrs = device_has_pdl() ? 1 : 0;
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
