@@ -3,12 +3,14 @@
 //
 //   moe_bench --out results.jsonl --commit $(git rev-parse --short HEAD)
 //             [--shapes Mixtral-8x7B,DeepSeek-V3,Qwen3-30B-A3B] [--tokens 1,8,64,512,4096,16384]
-//             [--backends cuda_fused,cublas_grouped,cuda_fused_det,cuda_fused_mma]
+//             [--backends cuda_fused,cublas_grouped,cuda_fused_det,...] [--once]
 //
 // Rows: every built-in GPU backend with its defaults, plus variants of cuda_fused:
 // cuda_fused_det (deterministic = true: GEMM2 writes rows, combine sums them in slot order;
-// in the default list) and cuda_fused_mma (the mma.sync sm90 tuning forced on sm_90a code,
-// for comparison; on request).
+// in the default list), and on request cuda_fused_mma (the mma.sync sm90 tuning forced on
+// sm_90a code), cuda_fused_band1 / _band16 (raster bands of 1 or 16 M tiles) and
+// cuda_fused_nopdl / cuda_fused_band1_nopdl (plain launches instead of programmatic
+// dependent ones), which measure one launch-order choice each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -84,11 +86,17 @@ struct backend_variant {
   std::string_view label, backend;
   mr::gpu::gemm_tuning_choice tuning;
   bool deterministic;
-  bool by_default;  // in the default list (else only through --backends)
+  bool by_default;       // in the default list (else only through --backends)
+  int raster_band = 0;   // cuda_fused: 0 = the tuning's
+  bool dependent = true;  // cuda_fused: programmatic dependent launches
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
     {"cuda_fused_mma", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90, false, false},
+    {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
+    {"cuda_fused_band16", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 16},
+    {"cuda_fused_nopdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, false},
+    {"cuda_fused_band1_nopdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1, false},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -544,10 +552,15 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
                                    .top_k = sh.k,
                                    .deterministic = variant != nullptr && variant->deterministic});
     bench_runner runner(variant != nullptr ? std::string(variant->backend) : name, cfg);
-    if (variant != nullptr && variant->tuning != mr::gpu::gemm_tuning_choice::automatic) {
+    if (variant != nullptr) {
       runner.visit([&](auto& core) {
-        if constexpr (requires { core.set_gemm_tuning(variant->tuning); }) core.set_gemm_tuning(variant->tuning);
-        else throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
+        if constexpr (requires { core.set_gemm_tuning(variant->tuning); }) {
+          core.set_gemm_tuning(variant->tuning);
+          core.set_raster_band(variant->raster_band);
+          core.set_dependent_launch(variant->dependent);
+        } else {
+          throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
+        }
       });
     }
     const bool capturable = runner.visit([](const auto& core) {

@@ -200,6 +200,7 @@ void launch_moe_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& schedul
   p.n_tiles = static_cast<int>(n_tiles);
   MOE_EXPECT(p.k_splits == 1 && p.store != kernels::down_store::partials, where,
              "the mma.sync grouped GEMM does not split K");
+  MOE_EXPECT(p.raster_band >= 1, where, "raster_band must be positive");
   kernels::moe_grouped_gemm_kernel<T, Policy, Kind><<<grid, tuning.threads(), tuning.smem_bytes(), stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_kernel");
 }

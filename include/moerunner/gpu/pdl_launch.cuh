@@ -35,9 +35,10 @@ inline bool device_has_pdl() {
   return major >= 9;
 }
 
+// `dependent` false makes it a plain launch.
 template <class... Params, class... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes, cudaStream_t stream,
-                      Args&&... args) {
+                      bool dependent, Args&&... args) {
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
@@ -47,7 +48,7 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::siz
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   config.attrs = &attr;
-  config.numAttrs = device_has_pdl() ? 1 : 0;
+  config.numAttrs = dependent && device_has_pdl() ? 1 : 0;
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 

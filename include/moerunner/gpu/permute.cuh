@@ -92,14 +92,14 @@ inline plan_build prepare_routing_plan(const tensor_view& topk_ids, int num_expe
 
 // Launches the build prepared by prepare_routing_plan: one launch up to plan_single_tile_slots
 // slots, three above.
-inline void launch_routing_plan(const kernels::plan_args& a, cudaStream_t stream) {
+inline void launch_routing_plan(const kernels::plan_args& a, cudaStream_t stream, bool dependent_launch = true) {
   constexpr unsigned threads = kernels::plan_threads;
   if (a.num_slots <= plan_single_tile_slots) {
     // A programmatic dependent of the routing kernel before it: the launch overlaps its tail.
     const auto kernel = a.num_slots <= threads       ? kernels::build_plan_single_tile_kernel<1>
                         : a.num_slots <= 4 * threads ? kernels::build_plan_single_tile_kernel<4>
                                                      : kernels::build_plan_single_tile_kernel<16>;
-    launch_dependent(kernel, dim3(1), dim3(threads), 0, stream, a);
+    launch_dependent(kernel, dim3(1), dim3(threads), 0, stream, dependent_launch, a);
     MOE_CUDA_CHECK_LAUNCH("build_plan_single_tile_kernel");
     return;
   }

@@ -127,7 +127,7 @@ inline int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_cou
 // `p.n_tiles` are filled here from `schedule`, as launch_moe_gemm does.
 template <class T, kernels::moe_gemm_kind Kind>
 void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const tile_schedule& schedule,
-                           const device_facts& dev, cudaStream_t stream) {
+                           const device_facts& dev, cudaStream_t stream, bool dependent_launch = true) {
   constexpr const char* where = "gpu::launch_moe_gemm_wgmma";
   using policy = sm90_wgmma_gemm_policy;
   constexpr wgmma_gemm_tuning tuning = policy::tuning;
@@ -150,6 +150,7 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
              where, "k_splits must be 1, or for GEMM2 into the output or partials at most the K tiles, got " +
                         std::to_string(k_splits));
   MOE_EXPECT(p.store != kernels::down_store::partials || p.partials != nullptr, where, "partials is null");
+  MOE_EXPECT(p.raster_band >= 1, where, "raster_band must be positive");
   const std::int64_t work_bound = schedule.capacity * n_tiles * k_splits;
   const auto grid = static_cast<unsigned>(std::min<std::int64_t>({work_bound, dev.sm_count, 0x7fffffff}));
   p.tiles = schedule.tiles;
@@ -157,7 +158,7 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   p.n_tiles = static_cast<int>(n_tiles);
   // The CTAs may start (barrier set-up, descriptor prefetch) while the previous kernel drains.
   launch_dependent(kernels::moe_grouped_gemm_wgmma_kernel<T, policy, Kind>, dim3(grid), dim3(tuning.threads()),
-                   tuning.smem_bytes(), stream, p, map);
+                   tuning.smem_bytes(), stream, dependent_launch, p, map);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_kernel");
 }
 

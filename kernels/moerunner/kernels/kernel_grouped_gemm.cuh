@@ -127,6 +127,7 @@ struct moe_gemm_params {
   const std::int32_t* tile_count;
   int n_tiles;                          // ceil(n / output columns per CTA)
   int k_splits = 1;                     // K ranges per tile (GEMM2 with accumulate or partials only)
+  int raster_band = 1;                  // M tiles that walk the N tiles together (decode_work_item)
   const float* input_weights;           // GEMM1 with apply_router_weight_on_input: topk_weights [M*k]; else null
   activation act;
   // GEMM2 only.
@@ -465,7 +466,7 @@ __global__ void __launch_bounds__(Policy::tuning.threads()) moe_grouped_gemm_ker
     const int tiles = *p.tile_count;
     const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles;
     for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
-      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, 1, Policy::tuning.raster_band);
+      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, 1, p.raster_band);
       const gpu::moe_m_tile tile = p.tiles[item.m_tile];
       moe_gemm_tile<T, Policy, Kind>::run(smem, p, tile, item.n_tile);
     }

@@ -215,7 +215,7 @@ struct moe_gemm_wgmma {
     const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles * p.k_splits;
     std::uint32_t it = 0;  // K tiles issued so far, over every work item of this CTA
     for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
-      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, tuning.raster_band);
+      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, p.raster_band);
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = p.tiles[item.m_tile];
       const int rows = tile.row_end - tile.row_begin;
@@ -277,7 +277,7 @@ struct moe_gemm_wgmma {
     std::uint32_t it = 0;
     float acc[128];
     for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
-      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, tuning.raster_band);
+      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, p.raster_band);
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = p.tiles[item.m_tile];
       const int rows = tile.row_end - tile.row_begin;

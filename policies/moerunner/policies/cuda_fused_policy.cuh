@@ -92,6 +92,14 @@ class cuda_fused_policy {
   void set_gemm_tuning(gpu::gemm_tuning_choice choice) noexcept { tuning_ = choice; }
   gpu::gemm_tuning_choice gemm_tuning() const noexcept { return tuning_; }
 
+  // Launch-order settings, for measuring them: the M tiles per raster band (0: the tuning's
+  // own), and whether the plan and the wgmma GEMMs are programmatic dependent launches.
+  void set_raster_band(int band) {
+    MOE_EXPECT(band >= 0, "cuda_fused_policy::set_raster_band", "band must be 0 (the tuning's) or positive");
+    raster_band_ = band;
+  }
+  void set_dependent_launch(bool on) noexcept { dependent_launch_ = on; }
+
   // Alignment slack + routing plan + M-tile schedule + act [M*k, I], each piece 256-byte
   // aligned, and when deterministic and combining the rows GEMM2 writes for combine: [M*k, H]
   // at 2 bytes, or where GEMM2 splits K at decode its f32 parts [splits, M*k, H] (the split
@@ -225,9 +233,11 @@ class cuda_fused_policy {
   template <class T, class GemmPolicy, kernels::moe_gemm_kind Kind>
   void launch_gemm(const kernels::moe_gemm_params<T>& g, const gpu::tile_schedule& schedule,
                    const gpu::device_facts& dev, cudaStream_t stream) const {
+    kernels::moe_gemm_params<T> p = g;
+    p.raster_band = raster_band_ > 0 ? raster_band_ : GemmPolicy::tuning.raster_band;
     if constexpr (std::is_same_v<GemmPolicy, gpu::sm90_wgmma_gemm_policy>)
-      gpu::launch_moe_gemm_wgmma<T, Kind>(g, cfg_.num_local_experts(), schedule, dev, stream);
-    else gpu::launch_moe_gemm<T, GemmPolicy, Kind>(g, schedule, dev, stream);
+      gpu::launch_moe_gemm_wgmma<T, Kind>(p, cfg_.num_local_experts(), schedule, dev, stream, dependent_launch_);
+    else gpu::launch_moe_gemm<T, GemmPolicy, Kind>(p, schedule, dev, stream);
   }
 
   template <class T, class GemmPolicy>
@@ -245,7 +255,8 @@ class cuda_fused_policy {
 
     const auto [plan, schedule] =
         gpu::build_routing_plan_and_schedule(d.topk.topk_ids, cfg_.num_local_experts(), tuning.block_m, base + lay.plan,
-                                             lay.plan_bytes, base + lay.schedule, lay.schedule_bytes, stream);
+                                             lay.plan_bytes, base + lay.schedule, lay.schedule_bytes, stream,
+                                             dependent_launch_);
     T* act = reinterpret_cast<T*>(base + lay.act);
     const float* weights = d.topk.topk_weights.ptr<const float>();
     const kernels::down_store store = store_mode();
@@ -307,6 +318,8 @@ class cuda_fused_policy {
 
   MoeRunnerConfig cfg_;
   gpu::gemm_tuning_choice tuning_ = gpu::gemm_tuning_choice::automatic;
+  int raster_band_ = 0;
+  bool dependent_launch_ = true;
 };
 
 static_assert(explain_dispatch_runner_core<cuda_fused_policy>());
