@@ -8,9 +8,9 @@
 // Rows: every built-in GPU backend with its defaults, plus variants of cuda_fused:
 // cuda_fused_det (deterministic = true: GEMM2 writes rows, combine sums them in slot order;
 // in the default list), and on request cuda_fused_mma (the mma.sync sm90 tuning forced on
-// sm_90a code), cuda_fused_band1 / _band8 (raster bands of 1 or 8 M tiles, where the default
-// picks by shape) and cuda_fused_nopdl (plain launches instead of programmatic dependent
-// ones), which measure one launch-order choice each.
+// sm_90a code), cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the
+// default is 8) and cuda_fused_pdl (programmatic dependent launches, off by default), which
+// measure one launch-order choice each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -88,14 +88,13 @@ struct backend_variant {
   bool deterministic;
   bool by_default;       // in the default list (else only through --backends)
   int raster_band = 0;   // cuda_fused: 0 = the tuning's
-  bool dependent = true;  // cuda_fused: programmatic dependent launches
+  bool dependent = false;  // cuda_fused: programmatic dependent launches
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
     {"cuda_fused_mma", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90, false, false},
     {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
-    {"cuda_fused_band8", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 8},
-    {"cuda_fused_nopdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, false},
+    {"cuda_fused_pdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, true},
 };
 
 const backend_variant* find_variant(std::string_view label) {

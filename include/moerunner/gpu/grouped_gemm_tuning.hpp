@@ -18,7 +18,7 @@ struct grouped_gemm_tuning {
   int warps_n;
   int stages;       // cp.async pipeline depth
   int min_arch;     // lowest SM version (80, 90) this tuning is compiled and launched for
-  int raster_band;  // M tiles that walk the N tiles together where experts have many (decode_work_item)
+  int raster_band;  // M tiles that walk the N tiles together (see decode_work_item)
 
   constexpr int threads() const { return 32 * warps_m * warps_n; }
   constexpr int warp_tile_m() const { return block_m / warps_m; }
@@ -81,7 +81,7 @@ struct wgmma_gemm_tuning {
   int stages;               // shared-memory ring depth
   int producer_lag;         // K tiles of A copies a producer thread keeps in flight before it signals
   int min_arch;
-  int raster_band;          // M tiles that walk the N tiles together where experts have many (decode_work_item)
+  int raster_band;          // M tiles that walk the N tiles together (see decode_work_item)
 
   constexpr int threads() const { return 128 * (1 + consumer_warpgroups); }
   constexpr int stage_bytes() const { return (block_m + block_n) * block_k * 2; }

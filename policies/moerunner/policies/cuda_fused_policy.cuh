@@ -92,9 +92,9 @@ class cuda_fused_policy {
   void set_gemm_tuning(gpu::gemm_tuning_choice choice) noexcept { tuning_ = choice; }
   gpu::gemm_tuning_choice gemm_tuning() const noexcept { return tuning_; }
 
-  // Launch-order settings, for measuring them: the M tiles per raster band (0: chosen from the
-  // shape, see raster_band), and whether the plan and the wgmma GEMMs are programmatic
-  // dependent launches.
+  // Launch-order settings, for measuring them: the M tiles per raster band (0: the tuning's),
+  // and whether the plan and the wgmma GEMMs are programmatic dependent launches (off by
+  // default: they measured 1-12% slower at decode on an H200, see bench/NOTES.md).
   void set_raster_band(int band) {
     MOE_EXPECT(band >= 0, "cuda_fused_policy::set_raster_band", "band must be 0 (the tuning's) or positive");
     raster_band_ = band;
@@ -231,22 +231,18 @@ class cuda_fused_policy {
     return p;
   }
 
-  // M tiles per raster band: the tuning's band where an expert has many M tiles on average
-  // (each weight tile is then read from HBM once per band, not once per M tile); else 1
-  // (N tiles fastest), which measured faster wherever experts have few M tiles.
+  // M tiles per raster band: the tuning's unless set (bands of 8 measured as fast as N-fastest
+  // order or faster on every benchmark cell, up to 1.2x where experts have many M tiles).
   template <class GemmPolicy>
-  int raster_band(std::int64_t rows) const {
-    if (raster_band_ > 0) return raster_band_;
-    constexpr std::int64_t many_tiles = 16;
-    const bool many = rows / cfg_.num_local_experts() >= many_tiles * GemmPolicy::tuning.block_m;
-    return many ? GemmPolicy::tuning.raster_band : 1;
+  int raster_band() const {
+    return raster_band_ > 0 ? raster_band_ : GemmPolicy::tuning.raster_band;
   }
 
   template <class T, class GemmPolicy, kernels::moe_gemm_kind Kind>
   void launch_gemm(const kernels::moe_gemm_params<T>& g, const gpu::tile_schedule& schedule,
                    const gpu::device_facts& dev, cudaStream_t stream) const {
     kernels::moe_gemm_params<T> p = g;
-    p.raster_band = raster_band<GemmPolicy>(schedule.rows);
+    p.raster_band = raster_band<GemmPolicy>();
     if constexpr (std::is_same_v<GemmPolicy, gpu::sm90_wgmma_gemm_policy>)
       gpu::launch_moe_gemm_wgmma<T, Kind>(p, cfg_.num_local_experts(), schedule, dev, stream, dependent_launch_);
     else gpu::launch_moe_gemm<T, GemmPolicy, Kind>(p, schedule, dev, stream);
@@ -331,7 +327,7 @@ class cuda_fused_policy {
   MoeRunnerConfig cfg_;
   gpu::gemm_tuning_choice tuning_ = gpu::gemm_tuning_choice::automatic;
   int raster_band_ = 0;
-  bool dependent_launch_ = true;
+  bool dependent_launch_ = false;
 };
 
 static_assert(explain_dispatch_runner_core<cuda_fused_policy>());
