@@ -4,7 +4,9 @@
 //
 //   moe_grouped_gemm_kernel<T, tuning, kind>: persistent CTAs stride over (M tile, N tile)
 //     gate_up / up_only (GEMM1): A row r = x[row_to_slot[r] / k], epilogue = activation -> act [R, I]
-//     down (GEMM2): A = act rows [R, I] in row order, epilogue = plain store -> rows [R, H]
+//     down (GEMM2): A = act rows [R, I] in row order, epilogue per down_store: rows [R, H], the
+//       output's [token, slot] rows, or atomic adds into the output's token rows
+// The parameters, work order and epilogue helpers here are shared with the wgmma kernels.
 //
 // Written by hand rather than with CUTLASS because the A gather, the gate/up pairing inside
 // one CTA tile and the device-side tile schedule all live inside the mainloop and epilogue.
@@ -18,7 +20,6 @@
 #include <cstring>
 #include <type_traits>
 
-#include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -26,7 +27,6 @@
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/kernels/activation_math.cuh"
 #include "moerunner/kernels/kernel_tile_schedule.cuh"
-#include "moerunner/kernels/pdl.cuh"
 
 namespace moerunner::kernels {
 

@@ -30,6 +30,7 @@
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/kernels/activation_math.cuh"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
+#include "moerunner/kernels/pdl.cuh"
 
 // wgmma, setmaxnreg and the 128-byte-swizzle descriptors exist only in sm_90a code.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
