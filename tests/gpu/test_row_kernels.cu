@@ -184,6 +184,15 @@ bool same_bits(const host_tensor& got, std::int64_t i, float want, mr::dtype t) 
                      mr::dtype_size(t)) == 0;
 }
 
+// Elements of `got` whose bits differ from `want` rounded to type t; the first five are reported.
+int bit_mismatches(const host_tensor& got, const std::vector<float>& want, mr::dtype t) {
+  int bad = 0;
+  for (std::size_t i = 0; i < want.size(); ++i)
+    if (!same_bits(got, static_cast<std::int64_t>(i), want[i], t) && ++bad <= 5)
+      MESSAGE("element " << i << ": gpu " << mr::test::element(got.view, i) << " expected " << want[i]);
+  return bad;
+}
+
 struct combine_setup {
   shape s;
   int h;
@@ -218,6 +227,12 @@ struct combine_setup {
                           : mr::tensor_view::contiguous(nullptr, o, {s.m, h}, mr::memory_space::device);
     out = device_buffer(out_view.bytes());
     out_view.data = out.get();
+  }
+
+  // What the run should give, from the f32 emulation of combine_rows.
+  std::vector<float> expected() const {
+    return emulate_combine(rows, want, s, h, use_weights ? weights.view.ptr<const float>() : nullptr, scale, no_combine,
+                           splits);
   }
 
   host_tensor run() {
@@ -255,13 +270,7 @@ TEST_CASE("combine_rows is bit-identical to an f32 emulation of its fixed order"
             CAPTURE(scale);
             combine_setup cs(s, h, in_t, out_t, use_weights, no_combine, scale, rng);
             const host_tensor got = cs.run();
-            const auto want = emulate_combine(cs.rows, cs.want, s, h, use_weights ? cs.weights.view.ptr<float>() : nullptr,
-                                              scale, no_combine);
-            int bad = 0;
-            for (std::size_t i = 0; i < want.size(); ++i)
-              if (!same_bits(got, static_cast<std::int64_t>(i), want[i], out_t) && ++bad <= 5)
-                MESSAGE("element " << i << ": gpu " << mr::test::element(got.view, i) << " expected " << want[i]);
-            CHECK(bad == 0);
+            CHECK(bit_mismatches(got, cs.expected(), out_t) == 0);
             if (s.m > 3) {  // the fully filtered token is zero
               const std::int64_t per_token = (no_combine ? s.k : 1) * static_cast<std::int64_t>(h);
               for (std::int64_t i = 3 * per_token; i < 4 * per_token; ++i) REQUIRE(mr::test::element(got.view, i) == 0.0f);
@@ -286,14 +295,7 @@ TEST_CASE("combine_rows sums f32 row parts (K-split partial sums) in order, bit 
           CAPTURE(h);
           CAPTURE(no_combine);
           combine_setup cs(s, h, mr::dtype::f32, mr::dtype::bf16, use_weights, no_combine, scale, rng, splits);
-          const host_tensor got = cs.run();
-          const auto want = emulate_combine(cs.rows, cs.want, s, h, use_weights ? cs.weights.view.ptr<float>() : nullptr,
-                                            scale, no_combine, splits);
-          int bad = 0;
-          for (std::size_t i = 0; i < want.size(); ++i)
-            if (!same_bits(got, static_cast<std::int64_t>(i), want[i], mr::dtype::bf16) && ++bad <= 5)
-              MESSAGE("element " << i << ": gpu " << mr::test::element(got.view, i) << " expected " << want[i]);
-          CHECK(bad == 0);
+          CHECK(bit_mismatches(cs.run(), cs.expected(), mr::dtype::bf16) == 0);
         }
 }
 

@@ -47,7 +47,6 @@ struct tile_schedule {
   const std::int32_t* count = nullptr;  // device: tiles actually used
   std::int64_t capacity = 0;            // host: the bound the grids are sized for
   int block_m = 0;
-  std::int64_t rows = 0;                // host: the rows (M * k slots) it was built for
 };
 
 // A schedule's checked arguments and its pieces, carved from the caller's workspace.
@@ -80,7 +79,7 @@ inline tile_schedule_pieces carve_tile_schedule(int num_experts, std::int64_t ro
   tile_schedule_pieces p;
   p.count = reinterpret_cast<std::int32_t*>(base);
   p.tiles = reinterpret_cast<moe_m_tile*>(base + plan_piece_bytes(sizeof(std::int32_t)));
-  p.schedule = {p.tiles, p.count, capacity, block_m, rows};
+  p.schedule = {p.tiles, p.count, capacity, block_m};
   return p;
 }
 
