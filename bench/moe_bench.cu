@@ -8,9 +8,10 @@
 // Rows: every built-in GPU backend with its defaults, plus variants of cuda_fused:
 // cuda_fused_det (deterministic = true: GEMM2 writes rows, combine sums them in slot order;
 // in the default list), and on request cuda_fused_mma (the mma.sync sm90 tuning forced on
-// sm_90a code), cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the
-// default is 8) and cuda_fused_pdl (programmatic dependent launches, off by default), which
-// measure one launch-order choice each.
+// sm_90a code), cuda_fused_m64 / cuda_fused_m128 (the wgmma kernels with M tiles of 64 or
+// 128 rows forced, where the default picks by shape), cuda_fused_band1 (a raster band of 1 M
+// tile, N tiles fastest, where the default is 8) and cuda_fused_pdl (programmatic dependent
+// launches, off by default), which measure one choice each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -93,6 +94,8 @@ struct backend_variant {
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
     {"cuda_fused_mma", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90, false, false},
+    {"cuda_fused_m64", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m64, false, false},
+    {"cuda_fused_m128", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m128, false, false},
     {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
     {"cuda_fused_pdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, true},
 };
@@ -387,11 +390,12 @@ routing_times routing_ms(const shape_desc& sh, const routing_set& r, std::int64_
   const graph_exec g = graph_exec::capture(s, [&](cudaStream_t cs) { route(sh, r, m, cs); });
   t.topk_ms = median_launch_ms(s, [&](int) { g.launch(s); });
   const std::size_t plan_bytes = mr::gpu::routing_plan_bytes(m, sh.k, sh.e);
-  const std::size_t schedule_bytes = mr::gpu::tile_schedule_bytes(m * sh.k, sh.e, mr::gpu::moe_gemm_block_m);
+  const int block_m = mr::gpu::wgmma_block_m_for(m * sh.k, sh.e);  // as cuda_fused picks on sm_90a
+  const std::size_t schedule_bytes = mr::gpu::tile_schedule_bytes(m * sh.k, sh.e, block_m);
   dbuf plan_ws(plan_bytes), schedule_ws(schedule_bytes);
   const auto plan = [&](cudaStream_t cs) {
     route(sh, r, m, cs);
-    mr::gpu::build_routing_plan_and_schedule(r.iv, sh.e, mr::gpu::moe_gemm_block_m, plan_ws.get(), plan_bytes,
+    mr::gpu::build_routing_plan_and_schedule(r.iv, sh.e, block_m, plan_ws.get(), plan_bytes,
                                              schedule_ws.get(), schedule_bytes, cs);
   };
   const graph_exec gp = graph_exec::capture(s, plan);

@@ -79,9 +79,12 @@ struct wgmma_gemm_tuning {
   int block_k;              // elements; 64 bf16/f16 = one 128-byte swizzle row
   int consumer_warpgroups;  // each owns 64 rows of the tile
   int stages;               // shared-memory ring depth
-  int producer_lag;         // K tiles of A copies a producer thread keeps in flight before it signals
+  // wgmma groups a consumer leaves in flight when it moves to the next K tile: 1 overlaps the
+  // tensor cores with the barrier wait (compute-bound tiles); 0 frees each stage as soon as
+  // its wgmma retire, so one more stage streams (weight-bound tiles).
+  int mma_in_flight;
   int min_arch;
-  int raster_band;          // M tiles that walk the N tiles together (see decode_work_item)
+  int raster_band;  // M tiles that walk the N tiles together (see decode_work_item)
 
   constexpr int threads() const { return 128 * (1 + consumer_warpgroups); }
   constexpr int stage_bytes() const { return (block_m + block_n) * block_k * 2; }
@@ -97,29 +100,56 @@ consteval bool check_wgmma_gemm_tuning(wgmma_gemm_tuning t) {
   if (t.block_n != 256) throw "block_n must be 256: one m64n256k16 wgmma, two 128-row TMA boxes";
   // Each of the 128 producer threads copies whole 8-row swizzle groups of one 16-byte column.
   if ((t.block_m * t.block_k / 8) % 128 != 0) throw "the A tile must split evenly over 128 producer threads";
-  if (t.producer_lag < 0 || t.producer_lag > t.stages - 2)
-    throw "producer_lag must leave two stages for the consumers (else producer and consumers wait on each other)";
+  if (t.mma_in_flight < 0 || t.mma_in_flight > 1) throw "mma_in_flight must be 0 or 1";
+  if (t.stages < 2 + t.mma_in_flight)
+    throw "the ring needs a stage to fill besides those the consumers hold (the one read, and the one in flight)";
   if (t.smem_bytes() > 227 * 1024) throw "the ring does not fit in shared memory";
   if (t.min_arch != 90) throw "wgmma needs sm_90a";
   if (t.raster_band < 1) throw "raster_band must be positive";
   return true;
 }
 
+// Tiles of 128 rows: two consumer warpgroups share each B stage (half the weight traffic
+// from shared memory per FLOP of 64-row tiles); for experts with many rows (prefill).
 struct sm90_wgmma_gemm_policy {
   static constexpr wgmma_gemm_tuning tuning{.block_m = 128,
                                             .block_n = 256,
                                             .block_k = 64,
                                             .consumer_warpgroups = 2,
                                             .stages = 4,
-                                            .producer_lag = 2,
+                                            .mma_in_flight = 1,
+                                            .min_arch = 90,
+                                            .raster_band = 8};
+};
+// Tiles of 64 rows: where experts see few rows the GEMMs stream weights, and a stage without
+// 64 idle A rows leaves room for a fifth one in flight.
+struct sm90_wgmma_m64_gemm_policy {
+  static constexpr wgmma_gemm_tuning tuning{.block_m = 64,
+                                            .block_n = 256,
+                                            .block_k = 64,
+                                            .consumer_warpgroups = 1,
+                                            .stages = 5,
+                                            .mma_in_flight = 0,
                                             .min_arch = 90,
                                             .raster_band = 8};
 };
 static_assert(check_wgmma_gemm_tuning(sm90_wgmma_gemm_policy::tuning));
+static_assert(check_wgmma_gemm_tuning(sm90_wgmma_m64_gemm_policy::tuning));
 static_assert(sm90_wgmma_gemm_policy::tuning.block_m == moe_gemm_block_m);
+// The smallest M tile of any tuning: workspaces size the tile schedule for it.
+inline constexpr int moe_gemm_min_block_m = sm90_wgmma_m64_gemm_policy::tuning.block_m;
+
+// The wgmma tile rows for `rows` routed rows over `num_experts` experts: 64 when an active
+// expert averages at most 64 rows (decode; prefill over many experts), else 128. A function of
+// the shape only, so that the workspace query and the run agree.
+constexpr int wgmma_block_m_for(std::int64_t rows, int num_experts) {
+  const std::int64_t active = rows < num_experts ? rows : num_experts;
+  return rows <= 64 * active ? sm90_wgmma_m64_gemm_policy::tuning.block_m : sm90_wgmma_gemm_policy::tuning.block_m;
+}
 
 // Which tuning a run uses: the selector's choice for the device, or one forced (tests, benchmarks).
-enum class gemm_tuning_choice : std::uint8_t { automatic, sm80, sm90, sm90_wgmma };
+// sm90_wgmma picks its tile rows by shape (wgmma_block_m_for); the _m64 and _m128 forms force them.
+enum class gemm_tuning_choice : std::uint8_t { automatic, sm80, sm90, sm90_wgmma, sm90_wgmma_m64, sm90_wgmma_m128 };
 
 constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
   switch (c) {
@@ -127,6 +157,8 @@ constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
     case gemm_tuning_choice::sm80: return "sm80";
     case gemm_tuning_choice::sm90: return "sm90";
     case gemm_tuning_choice::sm90_wgmma: return "sm90_wgmma";
+    case gemm_tuning_choice::sm90_wgmma_m64: return "sm90_wgmma_m64";
+    case gemm_tuning_choice::sm90_wgmma_m128: return "sm90_wgmma_m128";
   }
   return "?";
 }
@@ -143,7 +175,9 @@ constexpr gemm_tuning_choice select_gemm_tuning(int code_arch, bool has_wgmma) {
 constexpr int gemm_tuning_min_arch(gemm_tuning_choice c) {
   switch (c) {
     case gemm_tuning_choice::sm90: return sm90_gemm_policy::tuning.min_arch;
-    case gemm_tuning_choice::sm90_wgmma: return sm90_wgmma_gemm_policy::tuning.min_arch;
+    case gemm_tuning_choice::sm90_wgmma:
+    case gemm_tuning_choice::sm90_wgmma_m64:
+    case gemm_tuning_choice::sm90_wgmma_m128: return sm90_wgmma_gemm_policy::tuning.min_arch;
     default: return sm80_gemm_policy::tuning.min_arch;
   }
 }

@@ -92,7 +92,7 @@ inline plan_build prepare_routing_plan(const tensor_view& topk_ids, int num_expe
 
 // Launches the build prepared by prepare_routing_plan: one launch up to plan_single_tile_slots
 // slots, three above.
-inline void launch_routing_plan(const kernels::plan_args& a, cudaStream_t stream, bool dependent_launch = true) {
+inline void launch_routing_plan(const kernels::plan_args& a, cudaStream_t stream, bool dependent_launch = false) {
   constexpr unsigned threads = kernels::plan_threads;
   if (a.num_slots <= plan_single_tile_slots) {
     // A programmatic dependent of the routing kernel before it: the launch overlaps its tail.

@@ -35,7 +35,7 @@ struct plan_and_schedule {
 inline plan_and_schedule build_routing_plan_and_schedule(const tensor_view& topk_ids, int num_experts, int block_m,
                                                          void* plan_workspace, std::size_t plan_bytes,
                                                          void* schedule_workspace, std::size_t schedule_bytes,
-                                                         cudaStream_t stream, bool dependent_launch = true) {
+                                                         cudaStream_t stream, bool dependent_launch = false) {
   constexpr const char* where = "gpu::build_routing_plan_and_schedule";
   plan_detail::plan_build b =
       plan_detail::prepare_routing_plan(topk_ids, num_experts, plan_workspace, plan_bytes, where, "plan_workspace");

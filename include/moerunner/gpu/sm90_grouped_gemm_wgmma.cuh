@@ -91,13 +91,13 @@ inline bool wgmma_gemm_available(const device_facts& dev) {
 }
 
 // Raises the kernel's dynamic shared memory limit on the device (once) and checks that a CTA fits.
-template <class T, kernels::moe_gemm_kind Kind>
+template <class T, class Policy, kernels::moe_gemm_kind Kind>
 void prepare_wgmma_gemm(int device) {
-  constexpr wgmma_gemm_tuning tuning = sm90_wgmma_gemm_policy::tuning;
+  constexpr wgmma_gemm_tuning tuning = Policy::tuning;
   constexpr int cached_devices = 64;
   static std::array<std::atomic<bool>, cached_devices> done{};
   if (device >= 0 && device < cached_devices && done[device].load(std::memory_order_relaxed)) return;
-  const auto kernel = kernels::moe_grouped_gemm_wgmma_kernel<T, sm90_wgmma_gemm_policy, Kind>;
+  const auto kernel = kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind>;
   MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tuning.smem_bytes()));
   int n = 0;
   MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, tuning.threads(), tuning.smem_bytes()));
@@ -108,28 +108,38 @@ void prepare_wgmma_gemm(int device) {
 }
 
 // K splits for the wgmma GEMM2 (n = H columns, k = I) over a schedule of at most
-// `tile_bound` M tiles: when the (M tile, N tile) items cannot fill the SMs (decode: few
-// active experts, one short M tile each), each item's K range is split so that every SM
-// streams weights; a split keeps at least min_k_tiles_per_split K tiles so that its
-// pipeline fills. Host arithmetic only: the workspace query and the run agree on it.
+// `tile_bound` M tiles. Where the (M tile, N tile) items come in few waves over the SMs
+// (decode: few active experts), a whole wave is idle in the worst case (224 items on 132 SMs
+// take two item times, 1.7 of them busy): splitting each item's K range into s parts makes
+// items * s work items, and the split count with the fewest item times, ceil(items * s /
+// SMs) / s, within 3% of the best is taken, the smallest such. A split keeps at least
+// min_k_tiles_per_split K tiles so that its pipeline fills. Host arithmetic only: the
+// workspace query and the run agree on it.
 inline int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_count) {
   constexpr int cols = sm90_wgmma_gemm_policy::tuning.block_n;
-  constexpr std::int64_t min_k_tiles_per_split = 4;
+  constexpr std::int64_t min_k_tiles_per_split = 4, max_splits = 16, max_waves = 4;
   const std::int64_t items = tile_bound * ((n + cols - 1) / cols);
-  if (items <= 0 || items * 2 > sm_count) return 1;
-  const std::int64_t by_sms = sm_count / items;
-  const std::int64_t by_k = (k + sm90_wgmma_gemm_policy::tuning.block_k - 1) / sm90_wgmma_gemm_policy::tuning.block_k /
-                            min_k_tiles_per_split;
-  return static_cast<int>(std::max<std::int64_t>(1, std::min(by_sms, by_k)));
+  if (items <= 0 || sm_count <= 0 || items > max_waves * sm_count) return 1;
+  const std::int64_t k_tiles = (k + sm90_wgmma_gemm_policy::tuning.block_k - 1) / sm90_wgmma_gemm_policy::tuning.block_k;
+  const std::int64_t most = std::max<std::int64_t>(1, std::min(max_splits, k_tiles / min_k_tiles_per_split));
+  const auto item_times = [&](std::int64_t s) {
+    return static_cast<double>((items * s + sm_count - 1) / sm_count) / static_cast<double>(s);
+  };
+  double best = item_times(1);
+  for (std::int64_t s = 2; s <= most; ++s) best = std::min(best, item_times(s));
+  for (std::int64_t s = 1; s <= most; ++s)
+    if (item_times(s) <= best * 1.03) return static_cast<int>(s);
+  return 1;
 }
 
-// Launches one grouped GEMM of the sm90_wgmma tuning; `p.tiles`, `p.tile_count` and
-// `p.n_tiles` are filled here from `schedule`, as launch_moe_gemm does.
-template <class T, kernels::moe_gemm_kind Kind>
+// Launches one grouped GEMM of a wgmma tuning (Policy: sm90_wgmma_gemm_policy or
+// sm90_wgmma_m64_gemm_policy, whose block_m the schedule must have been built for); `p.tiles`,
+// `p.tile_count` and `p.n_tiles` are filled here from `schedule`, as launch_moe_gemm does.
+template <class T, kernels::moe_gemm_kind Kind, class Policy = sm90_wgmma_gemm_policy>
 void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const tile_schedule& schedule,
-                           const device_facts& dev, cudaStream_t stream, bool dependent_launch = true) {
+                           const device_facts& dev, cudaStream_t stream, bool dependent_launch = false) {
   constexpr const char* where = "gpu::launch_moe_gemm_wgmma";
-  using policy = sm90_wgmma_gemm_policy;
+  using policy = Policy;
   constexpr wgmma_gemm_tuning tuning = policy::tuning;
   MOE_EXPECT(schedule.block_m == tuning.block_m, where, "the tile schedule was built for another block_m");
   if (!wgmma_gemm_available(dev))
@@ -140,7 +150,7 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
              "the GEMM's n and k must be positive multiples of 8");
   if (schedule.capacity == 0) return;
   const CUtensorMap map = weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts);
-  prepare_wgmma_gemm<T, Kind>(dev.device);
+  prepare_wgmma_gemm<T, policy, Kind>(dev.device);
   constexpr int cols = kernels::moe_gemm_wgmma<T, policy, Kind>::out_cols;
   const std::int64_t n_tiles = (p.n + cols - 1) / cols;
   const int k_splits = p.k_splits;

@@ -5,15 +5,15 @@
 // One CTA = one producer warpgroup + `consumer_warpgroups` consumer warpgroups:
 //   producer: per K tile, thread 0 loads the 256 B rows by TMA (two 128-row boxes, 128-byte
 //     swizzle, zero fill past n and k); all 128 threads copy the gathered A rows with 16-byte
-//     cp.async into the same 128-byte-swizzled layout (zero fill past the tile's rows and past
-//     k). A is gathered (row r of the tile is x[row_to_slot[r] / top_k]), which one 2D TMA
-//     box cannot express, and 128 one-row boxes per K tile would serialize on one thread.
+//     cp.async into the same 128-byte-swizzled layout (zero fill past k). A is gathered (row r
+//     of the tile is x[row_to_slot[r] / top_k]), which one 2D TMA box cannot express, and 128
+//     one-row boxes per K tile would serialize on one thread.
 //   consumers: each owns 64 rows and runs four m64n256k16 wgmma per K tile straight from the
 //     shared-memory ring; the f32 accumulators stay in registers and the epilogue pairs gate
 //     column j (register block j) with up column j (block j + 16) in the same thread.
-// Stage hand-off uses mbarriers: full[s] completes when the 128 producer threads have arrived
-// (each after its copies landed and were fenced for the async proxy) and the TMA bytes came;
-// empty[s] completes when every consumer warp's wgmma reading stage s has retired.
+// Stage hand-off uses mbarriers: full[s] completes when each producer thread's copies have
+// landed (cp.async.mbarrier.arrive.noinc: the producer never waits on its own loads) and the
+// TMA bytes came; empty[s] completes when every consumer warp's wgmma reading stage s retired.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -165,6 +165,7 @@ struct moe_gemm_wgmma {
   static constexpr gpu::wgmma_gemm_tuning tuning = Policy::tuning;
   static constexpr int bm = tuning.block_m, bn = tuning.block_n, bk = tuning.block_k, stages = tuning.stages;
   static constexpr int consumers = tuning.consumer_warpgroups;
+  static constexpr int mma_in_flight = tuning.mma_in_flight;
   static constexpr int producer_threads = 128;
   static constexpr int consumer_warps = 4 * consumers;
   static constexpr int halves = Kind == moe_gemm_kind::gate_up ? 2 : 1;
@@ -244,25 +245,20 @@ struct moe_gemm_wgmma {
         const bool k_ok = kcol < p.k;  // k is a multiple of 8: a chunk is wholly in or out
 #pragma unroll
         for (int i = 0; i < a_passes; ++i) {
+          // Rows past the tile are left as they are: their results are never stored, and a
+          // wgmma row reads only its own A row. Columns past k must be zeros (B's are).
+          if (a_src_row[i] < 0) continue;
           const int r = ld_row + i * rows_per_pass;
-          const bool ok = k_ok && a_src_row[i] >= 0;
-          const T* src = ok ? p.a + static_cast<std::int64_t>(a_src_row[i]) * p.k + kcol : p.a;
-          cp_async_16(smem_address(sa + r * (bk * 2) + st_chunk * 16), src, ok);
+          const T* src = k_ok ? p.a + static_cast<std::int64_t>(a_src_row[i]) * p.k + kcol : p.a;
+          cp_async_16(smem_address(sa + r * (bk * 2) + st_chunk * 16), src, k_ok);
         }
-        cp_async_commit();
-        // Signal the stage issued producer_lag tiles ago: its copies have landed (wait_group),
-        // and the fence orders them before the consumers' wgmma reads (async proxy).
-        if (it >= static_cast<std::uint32_t>(tuning.producer_lag)) {
-          cp_async_wait<tuning.producer_lag>();
-          cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-          cuda::ptx::mbarrier_arrive(&bars.full[(it - tuning.producer_lag) % stages]);
-        }
+        // The barrier counts this thread's arrival once its copies so far have landed, so the
+        // producer never waits on its own loads: every stage of the ring can be in flight.
+        cuda::ptx::cp_async_mbarrier_arrive_noinc(&bars.full[stage]);
       }
     }
+    // Copies still in flight must not outlive their thread.
     cp_async_wait<0>();
-    cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-    const std::uint32_t first = it > static_cast<std::uint32_t>(tuning.producer_lag) ? it - tuning.producer_lag : 0;
-    for (std::uint32_t j = first; j < it; ++j) cuda::ptx::mbarrier_arrive(&bars.full[j % stages]);
   }
 
   __device__ static void consumer(const moe_gemm_params<T>& p, unsigned char* ring, barriers& bars) {
@@ -292,6 +288,8 @@ struct moe_gemm_wgmma {
       for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
         const int stage = static_cast<int>(it % stages);
         mbarrier_wait(&bars.full[stage], (it / stages) & 1);
+        // The producer's A copies are generic-proxy writes; wgmma reads through the async proxy.
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
         if (active) {
           const std::uint32_t sa = ring_addr + stage * tuning.stage_bytes() + group * 64 * (bk * 2);
           const std::uint32_t sb = ring_addr + stage * tuning.stage_bytes() + a_bytes;
@@ -303,14 +301,16 @@ struct moe_gemm_wgmma {
                                      db + static_cast<std::uint64_t>(kk * 32 >> 4));
           wgmma_commit();
         }
-        // One wgmma group stays in flight; the one before it has retired, so its stage is free.
-        wgmma_wait<1>();
+        // mma_in_flight wgmma groups stay in flight; the stage of the one before them has been
+        // read, so it is free.
+        wgmma_wait<mma_in_flight>();
         wgmma_fence_operands(acc);
-        if (kt > kt_begin && lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
+        if (kt - kt_begin >= mma_in_flight && lane == 0)
+          cuda::ptx::mbarrier_arrive(&bars.empty[(it - mma_in_flight) % stages]);
       }
       wgmma_wait<0>();
       wgmma_fence_operands(acc);
-      if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
+      if (mma_in_flight > 0 && lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
       if (active) epilogue(p, tile, n0, item.split, group, warp, lane, acc);
     }
   }
@@ -401,11 +401,14 @@ __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
   // the set-up above overlapped that kernel's tail; everything below reads what it wrote.
   wait_for_prior_grids();
   allow_dependent_grids();
+  // With one consumer warpgroup every thread already has what it needs, and the compiler's
+  // count may exceed consumer_regs (a smaller setmaxnreg.inc is not allowed): no rebalance.
+  constexpr bool rebalance = tile_t::consumers > 1;
   if (threadIdx.x < tile_t::producer_threads) {
-    setmaxnreg_dec<tile_t::producer_regs>();
+    if constexpr (rebalance) setmaxnreg_dec<tile_t::producer_regs>();
     tile_t::producer(p, &b_map, ring, bars);
   } else {
-    setmaxnreg_inc<tile_t::consumer_regs>();
+    if constexpr (rebalance) setmaxnreg_inc<tile_t::consumer_regs>();
     tile_t::consumer(p, ring, bars);
   }
 #else

@@ -22,7 +22,9 @@
 // reaches the host: no allocation and no host synchronization inside a run, which makes it
 // CUDA-graph capturable. The GEMM tuning is picked by gpu::select_gemm_tuning from the code
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
-// sm90 tuning, sm_80 code sm80. set_gemm_tuning forces one (tests, benchmarks).
+// sm90 tuning, sm_80 code sm80. The wgmma kernels come with M tiles of 64 rows (one consumer
+// warpgroup, five stages) where active experts average at most 64 rows, else 128
+// (gpu::wgmma_block_m_for). set_gemm_tuning forces one (tests, benchmarks).
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
@@ -36,9 +38,9 @@
 // sets the routing plan's device-side error flag; rejecting it on the host would need a round
 // trip, which a graph-capturable backend cannot make (cublas_grouped makes it and rejects).
 //
-// Known limits: at most gpu::plan_max_experts local experts (the routing plan's bound); a
-// tile of 128 rows per expert even at decode (the MMA work of a short tile is wasted, the
-// weight stream is what costs there).
+// Known limits: at most gpu::plan_max_experts local experts (the routing plan's bound); M
+// tiles of at least 64 rows (at decode most of a tile's MMA work is wasted; the weight stream
+// is what costs there).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -156,18 +158,27 @@ class cuda_fused_policy {
                               " or newer; this device (sm_" + std::to_string(dev.arch) +
                               ") runs code compiled for sm_" + std::to_string(dev.code_arch));
 
-    if (choice == gpu::gemm_tuning_choice::sm90_wgmma && !gpu::wgmma_gemm_available(dev))
-      throw unsupported_error(std::string(where) + ": GEMM tuning 'sm90_wgmma' needs code compiled for sm_90a; " +
-                              "this device (sm_" + std::to_string(dev.arch) + ") runs code compiled for sm_" +
-                              std::to_string(dev.code_arch) + " without it");
+    const bool wgmma = choice == gpu::gemm_tuning_choice::sm90_wgmma ||
+                       choice == gpu::gemm_tuning_choice::sm90_wgmma_m64 ||
+                       choice == gpu::gemm_tuning_choice::sm90_wgmma_m128;
+    if (wgmma && !gpu::wgmma_gemm_available(dev))
+      throw unsupported_error(std::string(where) + ": GEMM tuning '" + std::string(gpu::gemm_tuning_name(choice)) +
+                              "' needs code compiled for sm_90a; this device (sm_" + std::to_string(dev.arch) +
+                              ") runs code compiled for sm_" + std::to_string(dev.code_arch) + " without it");
 
     const bool bf16 = type == dtype::bf16;
     const cudaStream_t s = stream_ref.get();
-    switch (choice) {
-      case gpu::gemm_tuning_choice::sm90_wgmma:
+    if (wgmma) {
+      if (wgmma_block_m(choice, m) == gpu::sm90_wgmma_m64_gemm_policy::tuning.block_m) {
+        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_m64_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
+        else run_pipeline<__half, gpu::sm90_wgmma_m64_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
+      } else {
         if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
         else run_pipeline<__half, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
-        break;
+      }
+      return result;
+    }
+    switch (choice) {
       case gpu::gemm_tuning_choice::sm90:
         if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, s, 1);
         else run_pipeline<__half, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, s, 1);
@@ -201,13 +212,21 @@ class cuda_fused_policy {
     return cfg_.deterministic() ? kernels::down_store::rows : kernels::down_store::accumulate;
   }
 
+  // The wgmma tile rows: forced, or by shape (gpu::wgmma_block_m_for).
+  int wgmma_block_m(gpu::gemm_tuning_choice choice, std::int64_t num_tokens) const {
+    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m64) return gpu::sm90_wgmma_m64_gemm_policy::tuning.block_m;
+    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m128) return gpu::sm90_wgmma_gemm_policy::tuning.block_m;
+    return gpu::wgmma_block_m_for(num_tokens * cfg_.top_k(), cfg_.num_local_experts());
+  }
+
   // GEMM2's K splits on the wgmma path (1 on the mma.sync ones): only when it combines, and
-  // only where the (M tile, N tile) items leave SMs idle (decode).
+  // only where the (M tile, N tile) items come in few waves (decode). A function of the shape
+  // and the forced tuning, so that workspace_bytes and the run agree.
   int down_k_splits(std::int64_t num_tokens, int sm_count) const {
     if (cfg_.no_combine() || num_tokens <= 0) return 1;
     const std::int64_t slots = num_tokens * cfg_.top_k();
-    const std::int64_t tile_bound =
-        std::min(gpu::moe_m_tile_capacity(slots, cfg_.num_local_experts(), gpu::moe_gemm_block_m), slots);
+    const std::int64_t tile_bound = std::min(
+        gpu::moe_m_tile_capacity(slots, cfg_.num_local_experts(), wgmma_block_m(tuning_, num_tokens)), slots);
     return gpu::wgmma_down_k_splits(tile_bound, cfg_.hidden_size(), cfg_.intermediate_size(), sm_count);
   }
 
@@ -218,7 +237,7 @@ class cuda_fused_policy {
     p.plan_bytes = round_up(gpu::routing_plan_bytes(num_tokens, cfg_.top_k(), e));
     p.schedule = p.plan + p.plan_bytes;
     p.schedule_bytes =
-        round_up(gpu::tile_schedule_bytes(static_cast<std::int64_t>(slots), e, gpu::moe_gemm_block_m));
+        round_up(gpu::tile_schedule_bytes(static_cast<std::int64_t>(slots), e, gpu::moe_gemm_min_block_m));
     p.act = p.schedule + p.schedule_bytes;
     p.rows = p.act + round_up(slots * static_cast<std::size_t>(cfg_.intermediate_size()) * element_bytes);
     const std::size_t row_elems = slots * static_cast<std::size_t>(cfg_.hidden_size());
@@ -243,8 +262,9 @@ class cuda_fused_policy {
                    const gpu::device_facts& dev, cudaStream_t stream) const {
     kernels::moe_gemm_params<T> p = g;
     p.raster_band = raster_band<GemmPolicy>();
-    if constexpr (std::is_same_v<GemmPolicy, gpu::sm90_wgmma_gemm_policy>)
-      gpu::launch_moe_gemm_wgmma<T, Kind>(p, cfg_.num_local_experts(), schedule, dev, stream, dependent_launch_);
+    if constexpr (std::is_same_v<std::remove_cv_t<decltype(GemmPolicy::tuning)>, gpu::wgmma_gemm_tuning>)
+      gpu::launch_moe_gemm_wgmma<T, Kind, GemmPolicy>(p, cfg_.num_local_experts(), schedule, dev, stream,
+                                                      dependent_launch_);
     else gpu::launch_moe_gemm<T, GemmPolicy, Kind>(p, schedule, dev, stream);
   }
 
@@ -253,7 +273,7 @@ class cuda_fused_policy {
                     workspace_view ws, const pieces& lay, const gpu::device_facts& dev, cudaStream_t stream,
                     int splits) {
     constexpr auto tuning = GemmPolicy::tuning;
-    static_assert(tuning.block_m == gpu::moe_gemm_block_m, "the workspace is sized for one M-tile schedule");
+    static_assert(tuning.block_m >= gpu::moe_gemm_min_block_m, "the workspace sizes the M-tile schedule for 64 rows");
     const std::int64_t m = d.num_tokens();
     const int k = cfg_.top_k(), hidden = cfg_.hidden_size(), inter = cfg_.intermediate_size();
     const std::int64_t slots = m * k;
