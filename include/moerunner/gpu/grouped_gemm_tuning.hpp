@@ -71,18 +71,16 @@ static_assert(sm80_gemm_policy::tuning.block_m == sm90_gemm_policy::tuning.block
 inline constexpr int moe_gemm_block_m = sm80_gemm_policy::tuning.block_m;
 
 // Hopper, wgmma path (sm_90a only): a producer warpgroup fills a ring of K tiles (B by TMA,
-// gathered A rows by cp.async) and consumer warpgroups of 64 rows each run wgmma.mma_async
-// on them; the accumulators stay in registers through the epilogue.
+// gathered A rows by cp.async) and consumer warpgroups run wgmma.mma_async on them, each on
+// 64 rows of the tile, or (64-row tiles, two warpgroups) both on its rows and half its B rows;
+// the accumulators stay in registers through the epilogue.
 struct wgmma_gemm_tuning {
-  int block_m;              // rows of a tile; consumer_warpgroups * 64
-  int block_n;              // B rows of a tile (one wgmma N); gated GEMM1: half gate, half up
+  int block_m;              // rows of a tile: consumer_warpgroups * 64, or 64 (split B rows)
+  int block_n;              // B rows of a tile; gated GEMM1: half gate, half up
   int block_k;              // elements; 64 bf16/f16 = one 128-byte swizzle row
-  int consumer_warpgroups;  // each owns 64 rows of the tile
+  int consumer_warpgroups;
   int stages;               // shared-memory ring depth
-  // wgmma groups a consumer leaves in flight when it moves to the next K tile: 1 overlaps the
-  // tensor cores with the barrier wait (compute-bound tiles); 0 frees each stage as soon as
-  // its wgmma retire, so one more stage streams (weight-bound tiles).
-  int mma_in_flight;
+  int producer_lag;         // K tiles of A copies a producer thread keeps in flight before it signals
   int min_arch;
   int raster_band;  // M tiles that walk the N tiles together (see decode_work_item)
 
@@ -96,13 +94,13 @@ struct wgmma_gemm_tuning {
 consteval bool check_wgmma_gemm_tuning(wgmma_gemm_tuning t) {
   if (t.block_k != 64) throw "block_k must be 64: one K tile row is one 128-byte swizzle row";
   if (t.consumer_warpgroups < 1 || t.consumer_warpgroups > 2) throw "one or two consumer warpgroups";
-  if (t.block_m != 64 * t.consumer_warpgroups) throw "each consumer warpgroup owns 64 rows (the wgmma M)";
+  if (t.block_m != 64 * t.consumer_warpgroups && t.block_m != 64)
+    throw "each consumer warpgroup owns 64 rows (the wgmma M), or all of them share 64";
   if (t.block_n != 256) throw "block_n must be 256: one m64n256k16 wgmma, two 128-row TMA boxes";
   // Each of the 128 producer threads copies whole 8-row swizzle groups of one 16-byte column.
   if ((t.block_m * t.block_k / 8) % 128 != 0) throw "the A tile must split evenly over 128 producer threads";
-  if (t.mma_in_flight < 0 || t.mma_in_flight > 1) throw "mma_in_flight must be 0 or 1";
-  if (t.stages < 2 + t.mma_in_flight)
-    throw "the ring needs a stage to fill besides those the consumers hold (the one read, and the one in flight)";
+  if (t.producer_lag < 0 || t.producer_lag > t.stages - 2)
+    throw "producer_lag must leave two stages for the consumers (else producer and consumers wait on each other)";
   if (t.smem_bytes() > 227 * 1024) throw "the ring does not fit in shared memory";
   if (t.min_arch != 90) throw "wgmma needs sm_90a";
   if (t.raster_band < 1) throw "raster_band must be positive";
@@ -117,19 +115,21 @@ struct sm90_wgmma_gemm_policy {
                                             .block_k = 64,
                                             .consumer_warpgroups = 2,
                                             .stages = 4,
-                                            .mma_in_flight = 1,
+                                            .producer_lag = 2,
                                             .min_arch = 90,
                                             .raster_band = 8};
 };
-// Tiles of 64 rows: where experts see few rows the GEMMs stream weights, and a stage without
-// 64 idle A rows leaves room for a fifth one in flight.
+// Tiles of 64 rows, for experts that see few rows, where the GEMMs stream weights: two
+// warpgroups split the B rows, which halves the wgmma chain per K tile (one warpgroup's four
+// m64n256k16 take as long as a stage's weights take to stream at an SM's share of HBM), and
+// a stage without 64 idle A rows leaves room for a fifth.
 struct sm90_wgmma_m64_gemm_policy {
   static constexpr wgmma_gemm_tuning tuning{.block_m = 64,
                                             .block_n = 256,
                                             .block_k = 64,
-                                            .consumer_warpgroups = 1,
+                                            .consumer_warpgroups = 2,
                                             .stages = 5,
-                                            .mma_in_flight = 0,
+                                            .producer_lag = 3,
                                             .min_arch = 90,
                                             .raster_band = 8};
 };

@@ -4,16 +4,21 @@
 //
 // One CTA = one producer warpgroup + `consumer_warpgroups` consumer warpgroups:
 //   producer: per K tile, thread 0 loads the 256 B rows by TMA (two 128-row boxes, 128-byte
-//     swizzle, zero fill past n and k); all 128 threads copy the gathered A rows with 16-byte
-//     cp.async into the same 128-byte-swizzled layout (zero fill past k). A is gathered (row r
-//     of the tile is x[row_to_slot[r] / top_k]), which one 2D TMA box cannot express, and 128
-//     one-row boxes per K tile would serialize on one thread.
-//   consumers: each owns 64 rows and runs four m64n256k16 wgmma per K tile straight from the
-//     shared-memory ring; the f32 accumulators stay in registers and the epilogue pairs gate
-//     column j (register block j) with up column j (block j + 16) in the same thread.
-// Stage hand-off uses mbarriers: full[s] completes when each producer thread's copies have
-// landed (cp.async.mbarrier.arrive.noinc: the producer never waits on its own loads) and the
-// TMA bytes came; empty[s] completes when every consumer warp's wgmma reading stage s retired.
+//     swizzle, zero fill past n and k); all 128 threads copy the tile's gathered A rows with
+//     16-byte cp.async into the same 128-byte-swizzled layout (zero fill past k; rows past the
+//     tile are not copied). A is gathered (row r of the tile is x[row_to_slot[r] / top_k]),
+//     which one 2D TMA box cannot express, and 128 one-row boxes per K tile would serialize.
+//   consumers, 128-row tiles: each owns 64 rows and runs four m64n256k16 wgmma per K tile
+//     straight from the shared-memory ring; the f32 accumulators stay in registers and the
+//     epilogue pairs gate column j (register block j) with up column j (block j + 16).
+//   consumers, 64-row tiles: both share the 64 rows and split the 256 B rows, two m64n64k16
+//     per K step each (gated: 64 gate rows and their 64 up rows, paired register for
+//     register). One warpgroup's chain of four m64n256k16 per K tile takes about as long as
+//     the weights of a stage take to stream to an SM at full HBM rate, so at decode, where
+//     few CTAs stream, the split doubles what each can take in.
+// Stage hand-off uses mbarriers: full[s] completes when the 128 producer threads have arrived
+// (each after its copies landed and were fenced for the async proxy) and the TMA bytes came;
+// empty[s] completes when every consumer warp's wgmma reading stage s has retired.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -99,6 +104,45 @@ struct wgmma_m64n256k16<__half> {
 
 #undef MOERUNNER_WGMMA_M64N256K16
 
+// One m64n64k16 wgmma: as above with 32 accumulators per thread.
+#define MOERUNNER_WGMMA_M64N64K16(ab_type) \
+    asm volatile( \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." ab_type "." ab_type " " \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+        "%32, %33, p, 1, 1, 0, 0;\n}\n" \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+
+template <class T>
+struct wgmma_m64n64k16;
+
+template <>
+struct wgmma_m64n64k16<__nv_bfloat16> {
+  __device__ __forceinline__ static void run(float (&d)[32], std::uint64_t desc_a, std::uint64_t desc_b) {
+#if MOERUNNER_WGMMA_COMPILED
+    MOERUNNER_WGMMA_M64N64K16("bf16")
+#else
+    (void)d, (void)desc_a, (void)desc_b;
+    __trap();
+#endif
+  }
+};
+
+template <>
+struct wgmma_m64n64k16<__half> {
+  __device__ __forceinline__ static void run(float (&d)[32], std::uint64_t desc_a, std::uint64_t desc_b) {
+#if MOERUNNER_WGMMA_COMPILED
+    MOERUNNER_WGMMA_M64N64K16("f16")
+#else
+    (void)d, (void)desc_a, (void)desc_b;
+    __trap();
+#endif
+  }
+};
+
+#undef MOERUNNER_WGMMA_M64N64K16
+
 __device__ __forceinline__ void wgmma_fence() {
 #if MOERUNNER_WGMMA_COMPILED
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -120,9 +164,10 @@ __device__ __forceinline__ void wgmma_wait() {
 
 // Keeps the compiler from moving reads or writes of the accumulators across a wgmma wait:
 // the asm operands of an issued wgmma look written at issue, but are written at retirement.
-__device__ __forceinline__ void wgmma_fence_operands(float (&d)[128]) {
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 template <int Regs>
@@ -165,7 +210,8 @@ struct moe_gemm_wgmma {
   static constexpr gpu::wgmma_gemm_tuning tuning = Policy::tuning;
   static constexpr int bm = tuning.block_m, bn = tuning.block_n, bk = tuning.block_k, stages = tuning.stages;
   static constexpr int consumers = tuning.consumer_warpgroups;
-  static constexpr int mma_in_flight = tuning.mma_in_flight;
+  // Warpgroups split the B rows (64-row tiles) rather than the A rows.
+  static constexpr bool split_n = consumers > 1 && bm == 64;
   static constexpr int producer_threads = 128;
   static constexpr int consumer_warps = 4 * consumers;
   static constexpr int halves = Kind == moe_gemm_kind::gate_up ? 2 : 1;
@@ -252,17 +298,33 @@ struct moe_gemm_wgmma {
           const T* src = k_ok ? p.a + static_cast<std::int64_t>(a_src_row[i]) * p.k + kcol : p.a;
           cp_async_16(smem_address(sa + r * (bk * 2) + st_chunk * 16), src, k_ok);
         }
-        // The barrier counts this thread's arrival once its copies so far have landed, so the
-        // producer never waits on its own loads: every stage of the ring can be in flight.
-        cuda::ptx::cp_async_mbarrier_arrive_noinc(&bars.full[stage]);
+        cp_async_commit();
+        // Signal the stage issued producer_lag tiles ago: its copies have landed (wait_group),
+        // and the fence orders them before the consumers' wgmma reads (async proxy).
+        if (it >= static_cast<std::uint32_t>(tuning.producer_lag)) {
+          cp_async_wait<tuning.producer_lag>();
+          cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+          cuda::ptx::mbarrier_arrive(&bars.full[(it - tuning.producer_lag) % stages]);
+        }
       }
     }
-    // Copies still in flight must not outlive their thread.
     cp_async_wait<0>();
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+    const std::uint32_t first = it > static_cast<std::uint32_t>(tuning.producer_lag) ? it - tuning.producer_lag : 0;
+    for (std::uint32_t j = first; j < it; ++j) cuda::ptx::mbarrier_arrive(&bars.full[j % stages]);
+  }
+
+  // A consumer thread's accumulators: one 64 x 256 block (128 registers), or with split_n
+  // two 64 x 64 blocks (acc1 unused otherwise).
+  static constexpr int acc0_regs = split_n ? 32 : 128, acc1_regs = split_n ? 32 : 1;
+  // split_n: the B rows (from the stage's first) of warpgroup g's two blocks: gated, its 64
+  // gate rows and the 64 up rows of the same columns; otherwise 128 consecutive rows.
+  __device__ __forceinline__ static int split_b_row(int group, int block) {
+    return halves == 2 ? block * box_rows + 64 * group : 128 * group + 64 * block;
   }
 
   __device__ static void consumer(const moe_gemm_params<T>& p, unsigned char* ring, barriers& bars) {
-    const int group = threadIdx.x / 128 - 1;  // consumer warpgroup: rows [64 group, 64 group + 64)
+    const int group = threadIdx.x / 128 - 1;  // consumer warpgroup
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int k_tiles = (p.k + bk - 1) / bk;
     // GEMM1 clears the output GEMM2 accumulates into while the first K tiles load.
@@ -271,8 +333,10 @@ struct moe_gemm_wgmma {
     const int tiles = *p.tile_count;
     const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles * p.k_splits;
     const std::uint32_t ring_addr = smem_address(ring);
+    // Rows [64 group, 64 group + 64) of the tile, or with split_n all 64 rows for every group.
+    const int row_base = split_n ? 0 : 64 * group;
     std::uint32_t it = 0;
-    float acc[128];
+    float acc0[acc0_regs], acc1[acc1_regs];
     for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
       const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, p.raster_band);
       const int n0 = item.n_tile * out_cols;
@@ -281,70 +345,102 @@ struct moe_gemm_wgmma {
       int kt_begin = 0, kt_end = 0;
       split_k_range(k_tiles, item.split, p.k_splits, kt_begin, kt_end);
       // A warpgroup whose 64 rows are all past the tile still keeps the barrier protocol.
-      const bool active = 64 * group < rows;
+      const bool active = row_base < rows;
 #pragma unroll
-      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-      wgmma_fence_operands(acc);
+      for (int i = 0; i < acc0_regs; ++i) acc0[i] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < acc1_regs; ++i) acc1[i] = 0.0f;
+      wgmma_fence_operands(acc0);
+      wgmma_fence_operands(acc1);
       for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
         const int stage = static_cast<int>(it % stages);
         mbarrier_wait(&bars.full[stage], (it / stages) & 1);
-        // The producer's A copies are generic-proxy writes; wgmma reads through the async proxy.
-        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
         if (active) {
-          const std::uint32_t sa = ring_addr + stage * tuning.stage_bytes() + group * 64 * (bk * 2);
+          const std::uint32_t sa = ring_addr + stage * tuning.stage_bytes() + row_base * (bk * 2);
           const std::uint32_t sb = ring_addr + stage * tuning.stage_bytes() + a_bytes;
-          const std::uint64_t da = sw128_kmajor_desc(sa), db = sw128_kmajor_desc(sb);
+          const std::uint64_t da = sw128_kmajor_desc(sa);
           wgmma_fence();
+          if constexpr (split_n) {
+            const std::uint64_t d0 = sw128_kmajor_desc(sb + split_b_row(group, 0) * (bk * 2));
+            const std::uint64_t d1 = sw128_kmajor_desc(sb + split_b_row(group, 1) * (bk * 2));
 #pragma unroll
-          for (int kk = 0; kk < k_steps; ++kk)
-            wgmma_m64n256k16<T>::run(acc, da + static_cast<std::uint64_t>(kk * 32 >> 4),
-                                     db + static_cast<std::uint64_t>(kk * 32 >> 4));
+            for (int kk = 0; kk < k_steps; ++kk) {
+              const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
+              wgmma_m64n64k16<T>::run(acc0, da + step, d0 + step);
+              wgmma_m64n64k16<T>::run(acc1, da + step, d1 + step);
+            }
+          } else {
+            const std::uint64_t db = sw128_kmajor_desc(sb);
+#pragma unroll
+            for (int kk = 0; kk < k_steps; ++kk) {
+              const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
+              wgmma_m64n256k16<T>::run(acc0, da + step, db + step);
+            }
+          }
           wgmma_commit();
         }
-        // mma_in_flight wgmma groups stay in flight; the stage of the one before them has been
-        // read, so it is free.
-        wgmma_wait<mma_in_flight>();
-        wgmma_fence_operands(acc);
-        if (kt - kt_begin >= mma_in_flight && lane == 0)
-          cuda::ptx::mbarrier_arrive(&bars.empty[(it - mma_in_flight) % stages]);
+        // One wgmma group stays in flight; the one before it has retired, so its stage is free.
+        wgmma_wait<1>();
+        wgmma_fence_operands(acc0);
+        wgmma_fence_operands(acc1);
+        if (kt > kt_begin && lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
       }
       wgmma_wait<0>();
-      wgmma_fence_operands(acc);
-      if (mma_in_flight > 0 && lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
-      if (active) epilogue(p, tile, n0, item.split, group, warp, lane, acc);
+      wgmma_fence_operands(acc0);
+      wgmma_fence_operands(acc1);
+      if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
+      if (!active) continue;
+      // Accumulator register 4j + 2h + q of a 64 x N block holds row 16 warp + lane / 4 + 8h of
+      // the block and column 8j + 2(lane % 4) + q (the PTX m64nNk16 D layout).
+      if constexpr (split_n) {
+        if constexpr (halves == 2)  // gate column j of acc0 pairs with the same column of acc1
+          epilogue<8>(p, tile, n0 + 64 * group, item.split, row_base, warp, lane,
+                      [&](int j, int i) { return acc0[4 * j + i]; }, [&](int j, int i) { return acc1[4 * j + i]; });
+        else
+          epilogue<16>(p, tile, n0 + 128 * group, item.split, row_base, warp, lane,
+                       [&](int j, int i) { return j < 8 ? acc0[4 * j + i] : acc1[4 * (j - 8) + i]; },
+                       [&](int, int) { return 0.0f; });
+      } else {
+        // The up value of gate register 4j + 2h + q is register 4(j + 16) + 2h + q.
+        epilogue<halves == 2 ? 16 : 32>(p, tile, n0, item.split, row_base, warp, lane,
+                                         [&](int j, int i) { return acc0[4 * j + i]; },
+                                         [&](int j, int i) { return acc0[4 * (j + 16) + i]; });
+      }
     }
   }
 
-  // Accumulator register 4j + 2h + q of a thread holds row 16 warp + lane / 4 + 8h of its
-  // warpgroup's 64 rows and B-tile column 8j + 2(lane % 4) + q (the PTX m64nNk16 D layout);
-  // so for gate_up the up value of gate register 4j + 2h + q is register 4(j + 16) + 2h + q.
-  __device__ __forceinline__ static void epilogue(const moe_gemm_params<T>& p, const gpu::moe_m_tile& tile, int n0,
-                                                  int split, int group, int warp, int lane, float (&acc)[128]) {
+  // Stores the thread's part of tile rows [row_base, row_base + 64): `blocks` blocks of 8
+  // output columns from `col_base`, where value(j, 2h + q) is the accumulator of the thread's
+  // row 16 warp + lane / 4 + 8h and column col_base + 8j + 2(lane % 4) + q, and for gate_up
+  // up(j, 2h + q) the up accumulator of the same row and column.
+  template <int Blocks, class Value, class Up>
+  __device__ __forceinline__ static void epilogue(const moe_gemm_params<T>& p, const gpu::moe_m_tile& tile,
+                                                  int col_base, int split, int row_base, int warp, int lane,
+                                                  Value value, Up up) {
     const int rows = tile.row_end - tile.row_begin;
-    const int col0 = n0 + 2 * (lane % 4);
+    const int col0 = col_base + 2 * (lane % 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = 64 * group + 16 * warp + lane / 4 + 8 * h;
+      const int r = row_base + 16 * warp + lane / 4 + 8 * h;
       if (r >= rows) continue;
       const int row = tile.row_begin + r;
       if constexpr (Kind == moe_gemm_kind::down) {
         if (p.store == down_store::partials) {
           float* part = p.partials + split * p.split_stride + static_cast<std::int64_t>(row) * p.n;
 #pragma unroll
-          for (int j = 0; j < 32; ++j) {
+          for (int j = 0; j < Blocks; ++j) {
             const int col = col0 + 8 * j;
-            if (col < p.n)
-              *reinterpret_cast<float2*>(part + col) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            if (col < p.n) *reinterpret_cast<float2*>(part + col) = make_float2(value(j, 2 * h), value(j, 2 * h + 1));
           }
           continue;
         }
         const down_target<T> t = down_target<T>::at(p, row);
         const bool add = p.store == down_store::accumulate;
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
+        for (int j = 0; j < Blocks; ++j) {
           const int col = col0 + 8 * j;  // n is a multiple of 8: a pair is wholly in or out
           if (col >= p.n) continue;
-          const float lo = acc[4 * j + 2 * h] * t.factor, hi = acc[4 * j + 2 * h + 1] * t.factor;
+          const float lo = value(j, 2 * h) * t.factor, hi = value(j, 2 * h + 1) * t.factor;
           if (add) atomic_add2(t.dst + col, lo, hi);
           else *reinterpret_cast<std::uint32_t*>(t.dst + col) = mma_16816<T>::pack2(lo, hi);
         }
@@ -352,17 +448,16 @@ struct moe_gemm_wgmma {
         T* out = p.c + static_cast<std::int64_t>(row) * p.n;
         // act(W (w x)) = act(w (W x)): the router weight scales the f32 accumulators instead of x.
         const float scale = p.input_weights != nullptr ? p.input_weights[p.row_to_slot[row]] : 1.0f;
-        constexpr int col_blocks = Kind == moe_gemm_kind::gate_up ? 16 : 32;
 #pragma unroll
-        for (int j = 0; j < col_blocks; ++j) {
+        for (int j = 0; j < Blocks; ++j) {
           const int col = col0 + 8 * j;
           if (col >= p.n) continue;
           float v[2];
 #pragma unroll
           for (int q = 0; q < 2; ++q) {
-            const float g = acc[4 * j + 2 * h + q] * scale;
+            const float g = value(j, 2 * h + q) * scale;
             if constexpr (Kind == moe_gemm_kind::gate_up)
-              v[q] = apply_activation(p.act, true, g, acc[4 * (j + 16) + 2 * h + q] * scale);
+              v[q] = apply_activation(p.act, true, g, up(j, 2 * h + q) * scale);
             else v[q] = apply_activation(p.act, false, g, 0.0f);
           }
           *reinterpret_cast<std::uint32_t*>(out + col) = mma_16816<T>::pack2(v[0], v[1]);
@@ -401,14 +496,11 @@ __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
   // the set-up above overlapped that kernel's tail; everything below reads what it wrote.
   wait_for_prior_grids();
   allow_dependent_grids();
-  // With one consumer warpgroup every thread already has what it needs, and the compiler's
-  // count may exceed consumer_regs (a smaller setmaxnreg.inc is not allowed): no rebalance.
-  constexpr bool rebalance = tile_t::consumers > 1;
   if (threadIdx.x < tile_t::producer_threads) {
-    if constexpr (rebalance) setmaxnreg_dec<tile_t::producer_regs>();
+    setmaxnreg_dec<tile_t::producer_regs>();
     tile_t::producer(p, &b_map, ring, bars);
   } else {
-    if constexpr (rebalance) setmaxnreg_inc<tile_t::consumer_regs>();
+    setmaxnreg_inc<tile_t::consumer_regs>();
     tile_t::consumer(p, ring, bars);
   }
 #else

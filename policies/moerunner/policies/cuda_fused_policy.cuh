@@ -22,9 +22,9 @@
 // reaches the host: no allocation and no host synchronization inside a run, which makes it
 // CUDA-graph capturable. The GEMM tuning is picked by gpu::select_gemm_tuning from the code
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
-// sm90 tuning, sm_80 code sm80. The wgmma kernels come with M tiles of 64 rows (one consumer
-// warpgroup, five stages) where active experts average at most 64 rows, else 128
-// (gpu::wgmma_block_m_for). set_gemm_tuning forces one (tests, benchmarks).
+// sm90 tuning, sm_80 code sm80. The wgmma kernels come with M tiles of 64 rows (two consumer
+// warpgroups splitting the weight rows, five stages) where active experts average at most 64
+// rows, else 128 (gpu::wgmma_block_m_for). set_gemm_tuning forces one (tests, benchmarks).
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
