@@ -5,8 +5,8 @@
 // One CTA = one producer warpgroup + `consumer_warpgroups` consumer warpgroups:
 //   producer: per K tile, thread 0 loads the 256 B rows by TMA (two 128-row boxes, 128-byte
 //     swizzle, zero fill past n and k); all 128 threads copy the tile's gathered A rows with
-//     16-byte cp.async into the same 128-byte-swizzled layout (zero fill past k; rows past the
-//     tile are not copied). A is gathered (row r of the tile is x[row_to_slot[r] / top_k]),
+//     16-byte cp.async into the same 128-byte-swizzled layout (zero fill past k, and past the
+//     tile's rows in 128-row tiles). A is gathered (row r of the tile is x[row_to_slot[r] / top_k]),
 //     which one 2D TMA box cannot express, and 128 one-row boxes per K tile would serialize.
 //   consumers, 128-row tiles: each owns 64 rows and runs four m64n256k16 wgmma per K tile
 //     straight from the shared-memory ring; the f32 accumulators stay in registers and the
@@ -291,12 +291,14 @@ struct moe_gemm_wgmma {
         const bool k_ok = kcol < p.k;  // k is a multiple of 8: a chunk is wholly in or out
 #pragma unroll
         for (int i = 0; i < a_passes; ++i) {
-          // Rows past the tile are left as they are: their results are never stored, and a
-          // wgmma row reads only its own A row. Columns past k must be zeros (B's are).
-          if (a_src_row[i] < 0) continue;
+          // 64-row tiles (decode) leave rows past the tile as they are: their results are never
+          // stored, and a wgmma row reads only its own A row. 128-row tiles zero them, which
+          // measured faster at prefill. Columns past k must be zeros (B's are).
+          if (split_n && a_src_row[i] < 0) continue;
           const int r = ld_row + i * rows_per_pass;
-          const T* src = k_ok ? p.a + static_cast<std::int64_t>(a_src_row[i]) * p.k + kcol : p.a;
-          cp_async_16(smem_address(sa + r * (bk * 2) + st_chunk * 16), src, k_ok);
+          const bool ok = k_ok && a_src_row[i] >= 0;
+          const T* src = ok ? p.a + static_cast<std::int64_t>(a_src_row[i]) * p.k + kcol : p.a;
+          cp_async_16(smem_address(sa + r * (bk * 2) + st_chunk * 16), src, ok);
         }
         cp_async_commit();
         // Signal the stage issued producer_lag tiles ago: its copies have landed (wait_group),
