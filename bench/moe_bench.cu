@@ -8,8 +8,8 @@
 // Rows: every built-in GPU backend with its defaults, plus variants of cuda_fused:
 // cuda_fused_det (deterministic = true: GEMM2 writes rows, combine sums them in slot order;
 // in the default list), and on request cuda_fused_mma (the mma.sync sm90 tuning forced on
-// sm_90a code), cuda_fused_m64 / cuda_fused_m128 (the wgmma kernels with M tiles of 64 or
-// 128 rows forced, where the default picks by shape), cuda_fused_band1 (a raster band of 1 M
+// sm_90a code), cuda_fused_m64 / cuda_fused_m64n128 / cuda_fused_m128 (the wgmma kernels with
+// 64 x 256, 64 x 128 or 128 x 256 tiles forced, where the default picks by shape), cuda_fused_band1 (a raster band of 1 M
 // tile, N tiles fastest, where the default is 8) and cuda_fused_pdl (programmatic dependent
 // launches, off by default), which measure one choice each.
 //
@@ -95,6 +95,7 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
     {"cuda_fused_mma", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90, false, false},
     {"cuda_fused_m64", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m64, false, false},
+    {"cuda_fused_m64n128", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m64n128, false, false},
     {"cuda_fused_m128", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m128, false, false},
     {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
     {"cuda_fused_pdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, true},
@@ -390,7 +391,10 @@ routing_times routing_ms(const shape_desc& sh, const routing_set& r, std::int64_
   const graph_exec g = graph_exec::capture(s, [&](cudaStream_t cs) { route(sh, r, m, cs); });
   t.topk_ms = median_launch_ms(s, [&](int) { g.launch(s); });
   const std::size_t plan_bytes = mr::gpu::routing_plan_bytes(m, sh.k, sh.e);
-  const int block_m = mr::gpu::wgmma_block_m_for(m * sh.k, sh.e);  // as cuda_fused picks on sm_90a
+  int sm_count = 0;
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
+  // The tile rows cuda_fused picks on sm_90a code.
+  const int block_m = mr::gpu::wgmma_block_m(mr::gpu::wgmma_tile_for(m * sh.k, sh.e, sh.i, sm_count));
   const std::size_t schedule_bytes = mr::gpu::tile_schedule_bytes(m * sh.k, sh.e, block_m);
   dbuf plan_ws(plan_bytes), schedule_ws(schedule_bytes);
   const auto plan = [&](cudaStream_t cs) {

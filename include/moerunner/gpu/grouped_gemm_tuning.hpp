@@ -76,7 +76,8 @@ inline constexpr int moe_gemm_block_m = sm80_gemm_policy::tuning.block_m;
 // the accumulators stay in registers through the epilogue.
 struct wgmma_gemm_tuning {
   int block_m;              // rows of a tile: consumer_warpgroups * 64, or 64 (split B rows)
-  int block_n;              // B rows of a tile; gated GEMM1: half gate, half up
+  int block_n;              // B rows of a tile (256, or 128 per warpgroup in 64-row tiles);
+                            // gated GEMM1: half gate, half up
   int block_k;              // elements; 64 bf16/f16 = one 128-byte swizzle row
   int consumer_warpgroups;
   int stages;               // shared-memory ring depth
@@ -96,7 +97,8 @@ consteval bool check_wgmma_gemm_tuning(wgmma_gemm_tuning t) {
   if (t.consumer_warpgroups < 1 || t.consumer_warpgroups > 2) throw "one or two consumer warpgroups";
   if (t.block_m != 64 * t.consumer_warpgroups && t.block_m != 64)
     throw "each consumer warpgroup owns 64 rows (the wgmma M), or all of them share 64";
-  if (t.block_n != 256) throw "block_n must be 256: one m64n256k16 wgmma, two 128-row TMA boxes";
+  if (t.block_n != 256 && !(t.block_m == 64 && t.block_n == 128 * t.consumer_warpgroups))
+    throw "block_n must be 256 (one m64n256k16 per 64 A rows), or 128 per warpgroup in 64-row tiles";
   // Each of the 128 producer threads copies whole 8-row swizzle groups of one 16-byte column.
   if ((t.block_m * t.block_k / 8) % 128 != 0) throw "the A tile must split evenly over 128 producer threads";
   if (t.producer_lag < 0 || t.producer_lag > t.stages - 2)
@@ -133,23 +135,60 @@ struct sm90_wgmma_m64_gemm_policy {
                                             .min_arch = 90,
                                             .raster_band = 8};
 };
+// Tiles of 64 rows and 128 B rows with one consumer warpgroup: twice the (M tile, N tile)
+// items of the above, for decode shapes whose active experts give fewer items than SMs (one
+// CTA streams weights at about an SM's share of HBM, so idle SMs are bandwidth left unused).
+struct sm90_wgmma_m64n128_gemm_policy {
+  static constexpr wgmma_gemm_tuning tuning{.block_m = 64,
+                                            .block_n = 128,
+                                            .block_k = 64,
+                                            .consumer_warpgroups = 1,
+                                            .stages = 8,
+                                            .producer_lag = 6,
+                                            .min_arch = 90,
+                                            .raster_band = 8};
+};
 static_assert(check_wgmma_gemm_tuning(sm90_wgmma_gemm_policy::tuning));
 static_assert(check_wgmma_gemm_tuning(sm90_wgmma_m64_gemm_policy::tuning));
+static_assert(check_wgmma_gemm_tuning(sm90_wgmma_m64n128_gemm_policy::tuning));
 static_assert(sm90_wgmma_gemm_policy::tuning.block_m == moe_gemm_block_m);
 // The smallest M tile of any tuning: workspaces size the tile schedule for it.
 inline constexpr int moe_gemm_min_block_m = sm90_wgmma_m64_gemm_policy::tuning.block_m;
 
-// The wgmma tile rows for `rows` routed rows over `num_experts` experts: 64 when an active
-// expert averages at most 64 rows (decode; prefill over many experts), else 128. A function of
-// the shape only, so that the workspace query and the run agree.
-constexpr int wgmma_block_m_for(std::int64_t rows, int num_experts) {
+// The wgmma tile for `rows` routed rows over `num_experts` experts: 64 rows when an active
+// expert averages at most 64 rows (decode; prefill over many experts), else 128; and 64 x 128
+// when GEMM1's 64 x 256 items (at most one M tile per active expert, I/128 N tiles) number
+// fewer than the SMs. A function of the shape only, so that the workspace query and the run
+// agree.
+enum class wgmma_tile : std::uint8_t { m64, m64n128, m128 };
+
+constexpr wgmma_tile wgmma_tile_for(std::int64_t rows, int num_experts, int intermediate_size, int sm_count) {
   const std::int64_t active = rows < num_experts ? rows : num_experts;
-  return rows <= 64 * active ? sm90_wgmma_m64_gemm_policy::tuning.block_m : sm90_wgmma_gemm_policy::tuning.block_m;
+  if (rows > 64 * active) return wgmma_tile::m128;
+  const std::int64_t gemm1_items = active * ((intermediate_size + 127) / 128);
+  return gemm1_items < sm_count ? wgmma_tile::m64n128 : wgmma_tile::m64;
+}
+
+constexpr int wgmma_block_m(wgmma_tile t) {
+  return t == wgmma_tile::m128 ? sm90_wgmma_gemm_policy::tuning.block_m : sm90_wgmma_m64_gemm_policy::tuning.block_m;
+}
+
+constexpr int wgmma_block_n(wgmma_tile t) {
+  return t == wgmma_tile::m64n128 ? sm90_wgmma_m64n128_gemm_policy::tuning.block_n
+                                  : sm90_wgmma_gemm_policy::tuning.block_n;
 }
 
 // Which tuning a run uses: the selector's choice for the device, or one forced (tests, benchmarks).
-// sm90_wgmma picks its tile rows by shape (wgmma_block_m_for); the _m64 and _m128 forms force them.
-enum class gemm_tuning_choice : std::uint8_t { automatic, sm80, sm90, sm90_wgmma, sm90_wgmma_m64, sm90_wgmma_m128 };
+// sm90_wgmma picks its tile by shape (wgmma_tile_for); the _m64, _m64n128 and _m128 forms force one.
+enum class gemm_tuning_choice : std::uint8_t {
+  automatic,
+  sm80,
+  sm90,
+  sm90_wgmma,
+  sm90_wgmma_m64,
+  sm90_wgmma_m64n128,
+  sm90_wgmma_m128
+};
 
 constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
   switch (c) {
@@ -158,6 +197,7 @@ constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
     case gemm_tuning_choice::sm90: return "sm90";
     case gemm_tuning_choice::sm90_wgmma: return "sm90_wgmma";
     case gemm_tuning_choice::sm90_wgmma_m64: return "sm90_wgmma_m64";
+    case gemm_tuning_choice::sm90_wgmma_m64n128: return "sm90_wgmma_m64n128";
     case gemm_tuning_choice::sm90_wgmma_m128: return "sm90_wgmma_m128";
   }
   return "?";
@@ -177,6 +217,7 @@ constexpr int gemm_tuning_min_arch(gemm_tuning_choice c) {
     case gemm_tuning_choice::sm90: return sm90_gemm_policy::tuning.min_arch;
     case gemm_tuning_choice::sm90_wgmma:
     case gemm_tuning_choice::sm90_wgmma_m64:
+    case gemm_tuning_choice::sm90_wgmma_m64n128:
     case gemm_tuning_choice::sm90_wgmma_m128: return sm90_wgmma_gemm_policy::tuning.min_arch;
     default: return sm80_gemm_policy::tuning.min_arch;
   }

@@ -46,16 +46,19 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // The weights [E, rows_per_expert, k] as a 3D map [E * rows_per_expert / n, n, k], so that
 // a box never crosses from gate rows into up rows or into the next expert: rows past n and
-// columns past k read as zeros. Boxes are 128 rows x 64 elements (128 bytes, one swizzle row).
+// columns past k read as zeros. Boxes are box_rows rows x 64 elements (128 bytes, one
+// swizzle row).
 template <class T>
-CUtensorMap weight_tensor_map(const T* b, std::int64_t rows_per_expert, int n, int k, int num_experts) {
+CUtensorMap weight_tensor_map(const T* b, std::int64_t rows_per_expert, int n, int k, int num_experts,
+                              int box_rows = 128) {
   constexpr const char* where = "gpu::weight_tensor_map";
   MOE_EXPECT(n > 0 && rows_per_expert % n == 0, where, "rows per expert must be a whole number of n-row blocks");
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(n),
                               static_cast<cuuint64_t>(rows_per_expert / n) * static_cast<cuuint64_t>(num_experts)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(k) * sizeof(T),
                                  static_cast<cuuint64_t>(n) * static_cast<cuuint64_t>(k) * sizeof(T)};
-  const cuuint32_t box[3] = {64, 128, 1};
+  MOE_EXPECT(box_rows > 0 && box_rows <= 256 && box_rows % 8 == 0, where, "box_rows must be a multiple of 8 up to 256");
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   constexpr CUtensorMapDataType type = std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                                         : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
@@ -107,16 +110,16 @@ void prepare_wgmma_gemm(int device) {
   if (device >= 0 && device < cached_devices) done[device].store(true, std::memory_order_relaxed);
 }
 
-// K splits for the wgmma GEMM2 (n = H columns, k = I) over a schedule of at most
-// `tile_bound` M tiles. Where the (M tile, N tile) items come in few waves over the SMs
+// K splits for the wgmma GEMM2 (n = H columns in items of `cols`, k = I) over a schedule of
+// at most `tile_bound` M tiles. Where the (M tile, N tile) items come in few waves over the SMs
 // (decode: few active experts), a whole wave is idle in the worst case (224 items on 132 SMs
 // take two item times, 1.7 of them busy): splitting each item's K range into s parts makes
 // items * s work items, and the split count with the fewest item times, ceil(items * s /
 // SMs) / s, within 3% of the best is taken, the smallest such. A split keeps at least
 // min_k_tiles_per_split K tiles so that its pipeline fills. Host arithmetic only: the
 // workspace query and the run agree on it.
-inline int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_count) {
-  constexpr int cols = sm90_wgmma_gemm_policy::tuning.block_n;
+inline int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_count,
+                               int cols = sm90_wgmma_gemm_policy::tuning.block_n) {
   constexpr std::int64_t min_k_tiles_per_split = 4, max_splits = 16, max_waves = 4;
   const std::int64_t items = tile_bound * ((n + cols - 1) / cols);
   if (items <= 0 || sm_count <= 0 || items > max_waves * sm_count) return 1;
@@ -132,8 +135,9 @@ inline int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_cou
   return 1;
 }
 
-// Launches one grouped GEMM of a wgmma tuning (Policy: sm90_wgmma_gemm_policy or
-// sm90_wgmma_m64_gemm_policy, whose block_m the schedule must have been built for); `p.tiles`,
+// Launches one grouped GEMM of a wgmma tuning (Policy: sm90_wgmma_gemm_policy,
+// sm90_wgmma_m64_gemm_policy or sm90_wgmma_m64n128_gemm_policy, whose block_m the schedule
+// must have been built for); `p.tiles`,
 // `p.tile_count` and `p.n_tiles` are filled here from `schedule`, as launch_moe_gemm does.
 template <class T, kernels::moe_gemm_kind Kind, class Policy = sm90_wgmma_gemm_policy>
 void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const tile_schedule& schedule,
@@ -149,7 +153,7 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   MOE_EXPECT(p.k > 0 && p.k % 8 == 0 && p.n > 0 && p.n % 8 == 0, where,
              "the GEMM's n and k must be positive multiples of 8");
   if (schedule.capacity == 0) return;
-  const CUtensorMap map = weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts);
+  const CUtensorMap map = weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts, tuning.block_n / 2);
   prepare_wgmma_gemm<T, policy, Kind>(dev.device);
   constexpr int cols = kernels::moe_gemm_wgmma<T, policy, Kind>::out_cols;
   const std::int64_t n_tiles = (p.n + cols - 1) / cols;

@@ -11,9 +11,9 @@
 //   consumers, 128-row tiles: each owns 64 rows and runs four m64n256k16 wgmma per K tile
 //     straight from the shared-memory ring; the f32 accumulators stay in registers and the
 //     epilogue pairs gate column j (register block j) with up column j (block j + 16).
-//   consumers, 64-row tiles: both share the 64 rows and split the 256 B rows, two m64n64k16
-//     per K step each (gated: 64 gate rows and their 64 up rows, paired register for
-//     register). One warpgroup's chain of four m64n256k16 per K tile takes about as long as
+//   consumers, 64-row tiles: each takes the 64 rows and 128 of the B rows (of 256 B rows
+//     with two warpgroups, or of 128 with one), two m64n64k16 per K step (gated: 64 gate rows
+//     and their 64 up rows, paired register for register). One warpgroup's chain of four m64n256k16 per K tile takes about as long as
 //     the weights of a stage take to stream to an SM at full HBM rate, so at decode, where
 //     few CTAs stream, the split doubles what each can take in.
 // Stage hand-off uses mbarriers: full[s] completes when the 128 producer threads have arrived
@@ -210,13 +210,14 @@ struct moe_gemm_wgmma {
   static constexpr gpu::wgmma_gemm_tuning tuning = Policy::tuning;
   static constexpr int bm = tuning.block_m, bn = tuning.block_n, bk = tuning.block_k, stages = tuning.stages;
   static constexpr int consumers = tuning.consumer_warpgroups;
-  // Warpgroups split the B rows (64-row tiles) rather than the A rows.
-  static constexpr bool split_n = consumers > 1 && bm == 64;
+  // 64-row tiles: each warpgroup takes all 64 A rows and 128 of the B rows, as two 64-row
+  // blocks, rather than 64 A rows and all 256 B rows.
+  static constexpr bool split_n = bm == 64 && bn == 128 * consumers;
   static constexpr int producer_threads = 128;
   static constexpr int consumer_warps = 4 * consumers;
   static constexpr int halves = Kind == moe_gemm_kind::gate_up ? 2 : 1;
   static constexpr int out_cols = bn / halves;  // output columns per CTA
-  static constexpr int box_rows = 128;          // one TMA box: 128 B rows x 64 K
+  static constexpr int box_rows = bn / 2;       // one TMA box: half the B rows x 64 K
   static constexpr int a_bytes = bm * bk * 2, b_bytes = bn * bk * 2;
   static constexpr int chunks_per_row = bk / 8;                            // 16-byte chunks
   static constexpr int rows_per_pass = producer_threads / chunks_per_row;  // 16
@@ -227,7 +228,7 @@ struct moe_gemm_wgmma {
 
   static_assert(gpu::check_wgmma_gemm_tuning(tuning));
   static_assert(sizeof(T) == 2, "the tile layout is written for 16-bit elements");
-  static_assert(bn == 2 * box_rows, "B comes as two TMA boxes");
+  static_assert(split_n || bn == 256, "a warpgroup over 64 A rows holds one m64n256k16 accumulator block");
   static_assert(a_bytes % 1024 == 0 && b_bytes % 1024 == 0, "every tile starts on a swizzle-pattern boundary");
   static_assert(rows_per_pass % 8 == 0, "a producer thread's rows share their row % 8 (one swizzled chunk)");
   static_assert(producer_threads * producer_regs + consumers * 128 * consumer_regs <= 65536,
@@ -238,9 +239,10 @@ struct moe_gemm_wgmma {
     std::uint64_t empty[stages];
   };
 
-  // The tile's 256 B rows as two boxes of the [E * halves, n, K] tensor map: for gate_up the 128
-  // gate rows of columns n0.. (z = 2e) then the 128 up rows of the same columns (z = 2e + 1), so
-  // the up value of a column sits 128 rows below its gate value; otherwise rows n0 and n0 + 128.
+  // The tile's bn B rows as two boxes of the [E * halves, n, K] tensor map: for gate_up the bn/2
+  // gate rows of columns n0.. (z = 2e) then the bn/2 up rows of the same columns (z = 2e + 1),
+  // so the up value of a column sits bn/2 rows below its gate value; otherwise rows n0 and
+  // n0 + bn/2. The map's boxes are box_rows rows (weight_tensor_map).
   __device__ __forceinline__ static void load_b(const CUtensorMap* map, std::uint64_t* bar, unsigned char* sb,
                                                 int k0, int n0, int expert) {
 #pragma unroll
@@ -499,10 +501,10 @@ __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
   wait_for_prior_grids();
   allow_dependent_grids();
   if (threadIdx.x < tile_t::producer_threads) {
-    setmaxnreg_dec<tile_t::producer_regs>();
+    if constexpr (tile_t::consumers > 1) setmaxnreg_dec<tile_t::producer_regs>();
     tile_t::producer(p, &b_map, ring, bars);
   } else {
-    setmaxnreg_inc<tile_t::consumer_regs>();
+    if constexpr (tile_t::consumers > 1) setmaxnreg_inc<tile_t::consumer_regs>();
     tile_t::consumer(p, ring, bars);
   }
 #else

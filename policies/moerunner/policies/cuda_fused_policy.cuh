@@ -24,7 +24,9 @@
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
 // sm90 tuning, sm_80 code sm80. The wgmma kernels come with M tiles of 64 rows (two consumer
 // warpgroups splitting the weight rows, five stages) where active experts average at most 64
-// rows, else 128 (gpu::wgmma_block_m_for). set_gemm_tuning forces one (tests, benchmarks).
+// rows, else 128; and with 64 x 128 tiles (one consumer warpgroup, eight stages) where GEMM1's
+// 64 x 256 items would leave SMs idle (gpu::wgmma_tile_for). set_gemm_tuning forces one
+// (tests, benchmarks).
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
@@ -160,6 +162,7 @@ class cuda_fused_policy {
 
     const bool wgmma = choice == gpu::gemm_tuning_choice::sm90_wgmma ||
                        choice == gpu::gemm_tuning_choice::sm90_wgmma_m64 ||
+                       choice == gpu::gemm_tuning_choice::sm90_wgmma_m64n128 ||
                        choice == gpu::gemm_tuning_choice::sm90_wgmma_m128;
     if (wgmma && !gpu::wgmma_gemm_available(dev))
       throw unsupported_error(std::string(where) + ": GEMM tuning '" + std::string(gpu::gemm_tuning_name(choice)) +
@@ -169,12 +172,19 @@ class cuda_fused_policy {
     const bool bf16 = type == dtype::bf16;
     const cudaStream_t s = stream_ref.get();
     if (wgmma) {
-      if (wgmma_block_m(choice, m) == gpu::sm90_wgmma_m64_gemm_policy::tuning.block_m) {
-        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_m64_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
-        else run_pipeline<__half, gpu::sm90_wgmma_m64_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
-      } else {
-        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
-        else run_pipeline<__half, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
+      switch (wgmma_tile(choice, m, dev.sm_count)) {
+        case gpu::wgmma_tile::m64:
+          if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_m64_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
+          else run_pipeline<__half, gpu::sm90_wgmma_m64_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
+          break;
+        case gpu::wgmma_tile::m64n128:
+          if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_m64n128_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
+          else run_pipeline<__half, gpu::sm90_wgmma_m64n128_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
+          break;
+        default:
+          if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
+          else run_pipeline<__half, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
+          break;
       }
       return result;
     }
@@ -212,11 +222,13 @@ class cuda_fused_policy {
     return cfg_.deterministic() ? kernels::down_store::rows : kernels::down_store::accumulate;
   }
 
-  // The wgmma tile rows: forced, or by shape (gpu::wgmma_block_m_for).
-  int wgmma_block_m(gpu::gemm_tuning_choice choice, std::int64_t num_tokens) const {
-    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m64) return gpu::sm90_wgmma_m64_gemm_policy::tuning.block_m;
-    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m128) return gpu::sm90_wgmma_gemm_policy::tuning.block_m;
-    return gpu::wgmma_block_m_for(num_tokens * cfg_.top_k(), cfg_.num_local_experts());
+  // The wgmma tile: forced, or by shape (gpu::wgmma_tile_for).
+  gpu::wgmma_tile wgmma_tile(gpu::gemm_tuning_choice choice, std::int64_t num_tokens, int sm_count) const {
+    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m64) return gpu::wgmma_tile::m64;
+    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m64n128) return gpu::wgmma_tile::m64n128;
+    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m128) return gpu::wgmma_tile::m128;
+    return gpu::wgmma_tile_for(num_tokens * cfg_.top_k(), cfg_.num_local_experts(), cfg_.intermediate_size(),
+                               sm_count);
   }
 
   // GEMM2's K splits on the wgmma path (1 on the mma.sync ones): only when it combines, and
@@ -225,9 +237,11 @@ class cuda_fused_policy {
   int down_k_splits(std::int64_t num_tokens, int sm_count) const {
     if (cfg_.no_combine() || num_tokens <= 0) return 1;
     const std::int64_t slots = num_tokens * cfg_.top_k();
-    const std::int64_t tile_bound = std::min(
-        gpu::moe_m_tile_capacity(slots, cfg_.num_local_experts(), wgmma_block_m(tuning_, num_tokens)), slots);
-    return gpu::wgmma_down_k_splits(tile_bound, cfg_.hidden_size(), cfg_.intermediate_size(), sm_count);
+    const gpu::wgmma_tile tile = wgmma_tile(tuning_, num_tokens, sm_count);
+    const std::int64_t tile_bound =
+        std::min(gpu::moe_m_tile_capacity(slots, cfg_.num_local_experts(), gpu::wgmma_block_m(tile)), slots);
+    return gpu::wgmma_down_k_splits(tile_bound, cfg_.hidden_size(), cfg_.intermediate_size(), sm_count,
+                                    gpu::wgmma_block_n(tile));
   }
 
   pieces layout(std::int64_t num_tokens, int splits) const {
