@@ -279,14 +279,7 @@ struct moe_gemm_wgmma {
         else if constexpr (Kind == moe_gemm_kind::down) a_src_row[i] = tile.row_begin + r;
         else a_src_row[i] = p.row_to_slot[tile.row_begin + r] / p.top_k;
       }
-      // 64-row tiles (decode) start their K walk at a K tile that depends on the work item, so
-      // the CTAs that stream together read different 128-byte slices of their weight rows at a
-      // time, not the same slice of rows K * 2 bytes apart (same low address bits everywhere).
-      // The consumers do not care in which order the K tiles come.
-      const int len = kt_end - kt_begin;
-      const int rot = split_n ? static_cast<int>(w % len) : 0;
-      for (int i = 0; i < len; ++i, ++it) {
-        const int kt = kt_begin + (i + rot < len ? i + rot : i + rot - len);
+      for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
         const int stage = static_cast<int>(it % stages);
         // A fresh barrier counts as having completed the phase before its first (parity 1).
         mbarrier_wait(&bars.empty[stage], ((it / stages) & 1) ^ 1);
