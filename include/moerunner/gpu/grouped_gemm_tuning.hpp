@@ -122,9 +122,8 @@ struct sm90_wgmma_gemm_policy {
                                             .raster_band = 8};
 };
 // Tiles of 64 rows, for experts that see few rows, where the GEMMs stream weights: two
-// warpgroups split the B rows, which halves the wgmma chain per K tile (one warpgroup's four
-// m64n256k16 take as long as a stage's weights take to stream at an SM's share of HBM), and
-// a stage without 64 idle A rows leaves room for a fifth.
+// warpgroups share the rows and split the B rows (each runs half the wgmma work of one
+// warpgroup over all 256), and a stage without 64 idle A rows leaves room for a fifth.
 struct sm90_wgmma_m64_gemm_policy {
   static constexpr wgmma_gemm_tuning tuning{.block_m = 64,
                                             .block_n = 256,

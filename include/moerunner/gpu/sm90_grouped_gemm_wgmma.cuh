@@ -123,7 +123,8 @@ inline int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_cou
   constexpr std::int64_t min_k_tiles_per_split = 4, max_splits = 16, max_waves = 4;
   const std::int64_t items = tile_bound * ((n + cols - 1) / cols);
   if (items <= 0 || sm_count <= 0 || items > max_waves * sm_count) return 1;
-  const std::int64_t k_tiles = (k + sm90_wgmma_gemm_policy::tuning.block_k - 1) / sm90_wgmma_gemm_policy::tuning.block_k;
+  constexpr int bk = sm90_wgmma_gemm_policy::tuning.block_k;
+  const std::int64_t k_tiles = (k + bk - 1) / bk;
   const std::int64_t most = std::max<std::int64_t>(1, std::min(max_splits, k_tiles / min_k_tiles_per_split));
   const auto item_times = [&](std::int64_t s) {
     return static_cast<double>((items * s + sm_count - 1) / sm_count) / static_cast<double>(s);
@@ -153,7 +154,8 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   MOE_EXPECT(p.k > 0 && p.k % 8 == 0 && p.n > 0 && p.n % 8 == 0, where,
              "the GEMM's n and k must be positive multiples of 8");
   if (schedule.capacity == 0) return;
-  const CUtensorMap map = weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts, tuning.block_n / 2);
+  const CUtensorMap map =
+      weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts, tuning.block_n / 2);
   prepare_wgmma_gemm<T, policy, Kind>(dev.device);
   constexpr int cols = kernels::moe_gemm_wgmma<T, policy, Kind>::out_cols;
   const std::int64_t n_tiles = (p.n + cols - 1) / cols;
