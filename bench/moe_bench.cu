@@ -9,9 +9,10 @@
 // cuda_fused_det (deterministic = true: GEMM2 writes rows, combine sums them in slot order;
 // in the default list), and on request cuda_fused_mma (the mma.sync sm90 tuning forced on
 // sm_90a code), cuda_fused_m64 / cuda_fused_m64n128 / cuda_fused_m128 (the wgmma kernels with
-// 64 x 256, 64 x 128 or 128 x 256 tiles forced, where the default picks by shape), cuda_fused_band1 (a raster band of 1 M
-// tile, N tiles fastest, where the default is 8) and cuda_fused_pdl (programmatic dependent
-// launches, off by default), which measure one choice each.
+// 64 x 256, 64 x 128 or 128 x 256 tiles forced, where the default picks by shape),
+// cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the default is 8) and
+// cuda_fused_pdl (programmatic dependent launches, off by default), which measure one choice
+// each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed

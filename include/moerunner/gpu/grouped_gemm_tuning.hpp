@@ -83,7 +83,7 @@ struct wgmma_gemm_tuning {
   int stages;               // shared-memory ring depth
   int producer_lag;         // K tiles of A copies a producer thread keeps in flight before it signals
   int min_arch;
-  int raster_band;  // M tiles that walk the N tiles together (see decode_work_item)
+  int raster_band;          // M tiles that walk the N tiles together (see decode_work_item)
 
   constexpr int threads() const { return 128 * (1 + consumer_warpgroups); }
   constexpr int stage_bytes() const { return (block_m + block_n) * block_k * 2; }
@@ -211,15 +211,15 @@ constexpr gemm_tuning_choice select_gemm_tuning(int code_arch, bool has_wgmma) {
   return gemm_tuning_choice::sm80;
 }
 
+// Whether a choice runs the wgmma kernels (one of their tiles, or the one picked by shape).
+constexpr bool is_wgmma_choice(gemm_tuning_choice c) {
+  return c == gemm_tuning_choice::sm90_wgmma || c == gemm_tuning_choice::sm90_wgmma_m64 ||
+         c == gemm_tuning_choice::sm90_wgmma_m64n128 || c == gemm_tuning_choice::sm90_wgmma_m128;
+}
+
 constexpr int gemm_tuning_min_arch(gemm_tuning_choice c) {
-  switch (c) {
-    case gemm_tuning_choice::sm90: return sm90_gemm_policy::tuning.min_arch;
-    case gemm_tuning_choice::sm90_wgmma:
-    case gemm_tuning_choice::sm90_wgmma_m64:
-    case gemm_tuning_choice::sm90_wgmma_m64n128:
-    case gemm_tuning_choice::sm90_wgmma_m128: return sm90_wgmma_gemm_policy::tuning.min_arch;
-    default: return sm80_gemm_policy::tuning.min_arch;
-  }
+  if (is_wgmma_choice(c)) return sm90_wgmma_gemm_policy::tuning.min_arch;
+  return c == gemm_tuning_choice::sm90 ? sm90_gemm_policy::tuning.min_arch : sm80_gemm_policy::tuning.min_arch;
 }
 
 // One M tile of the grouped GEMM: rows [row_begin, row_end) of expert `expert` in

@@ -138,14 +138,13 @@ inline int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_cou
 
 // Launches one grouped GEMM of a wgmma tuning (Policy: sm90_wgmma_gemm_policy,
 // sm90_wgmma_m64_gemm_policy or sm90_wgmma_m64n128_gemm_policy, whose block_m the schedule
-// must have been built for); `p.tiles`,
-// `p.tile_count` and `p.n_tiles` are filled here from `schedule`, as launch_moe_gemm does.
+// must have been built for); `p.tiles`, `p.tile_count` and `p.n_tiles` are filled here from
+// `schedule`, as launch_moe_gemm does.
 template <class T, kernels::moe_gemm_kind Kind, class Policy = sm90_wgmma_gemm_policy>
 void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const tile_schedule& schedule,
                            const device_facts& dev, cudaStream_t stream, bool dependent_launch = false) {
   constexpr const char* where = "gpu::launch_moe_gemm_wgmma";
-  using policy = Policy;
-  constexpr wgmma_gemm_tuning tuning = policy::tuning;
+  constexpr wgmma_gemm_tuning tuning = Policy::tuning;
   MOE_EXPECT(schedule.block_m == tuning.block_m, where, "the tile schedule was built for another block_m");
   if (!wgmma_gemm_available(dev))
     throw unsupported_error(std::string(where) + ": the sm90_wgmma tuning needs code compiled for sm_90a; this device (sm_" +
@@ -156,8 +155,8 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   if (schedule.capacity == 0) return;
   const CUtensorMap map =
       weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts, tuning.block_n / 2);
-  prepare_wgmma_gemm<T, policy, Kind>(dev.device);
-  constexpr int cols = kernels::moe_gemm_wgmma<T, policy, Kind>::out_cols;
+  prepare_wgmma_gemm<T, Policy, Kind>(dev.device);
+  constexpr int cols = kernels::moe_gemm_wgmma<T, Policy, Kind>::out_cols;
   const std::int64_t n_tiles = (p.n + cols - 1) / cols;
   const int k_splits = p.k_splits;
   const bool may_split = Kind == kernels::moe_gemm_kind::down && (p.store == kernels::down_store::accumulate ||
@@ -173,7 +172,7 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   p.tile_count = schedule.count;
   p.n_tiles = static_cast<int>(n_tiles);
   // The CTAs may start (barrier set-up, descriptor prefetch) while the previous kernel drains.
-  launch_dependent(kernels::moe_grouped_gemm_wgmma_kernel<T, policy, Kind>, dim3(grid), dim3(tuning.threads()),
+  launch_dependent(kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind>, dim3(grid), dim3(tuning.threads()),
                    tuning.smem_bytes(), stream, dependent_launch, p, map);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_kernel");
 }

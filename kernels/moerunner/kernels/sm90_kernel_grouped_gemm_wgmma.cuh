@@ -26,6 +26,7 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda.h>
 #include <cuda/ptx>
@@ -76,31 +77,19 @@ namespace moerunner::kernels {
         : "l"(desc_a), "l"(desc_b), "r"(1));
 
 template <class T>
-struct wgmma_m64n256k16;
-
-template <>
-struct wgmma_m64n256k16<__nv_bfloat16> {
-  __device__ __forceinline__ static void run(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "wgmma inputs here are bf16 or f16");
 #if MOERUNNER_WGMMA_COMPILED
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     MOERUNNER_WGMMA_M64N256K16("bf16")
-#else
-    (void)d, (void)desc_a, (void)desc_b;
-    __trap();
-#endif
-  }
-};
-
-template <>
-struct wgmma_m64n256k16<__half> {
-  __device__ __forceinline__ static void run(float (&d)[128], std::uint64_t desc_a, std::uint64_t desc_b) {
-#if MOERUNNER_WGMMA_COMPILED
+  } else {
     MOERUNNER_WGMMA_M64N256K16("f16")
-#else
-    (void)d, (void)desc_a, (void)desc_b;
-    __trap();
-#endif
   }
-};
+#else
+  (void)d, (void)desc_a, (void)desc_b;
+  __trap();
+#endif
+}
 
 #undef MOERUNNER_WGMMA_M64N256K16
 
@@ -115,31 +104,19 @@ struct wgmma_m64n256k16<__half> {
         : "l"(desc_a), "l"(desc_b), "r"(1));
 
 template <class T>
-struct wgmma_m64n64k16;
-
-template <>
-struct wgmma_m64n64k16<__nv_bfloat16> {
-  __device__ __forceinline__ static void run(float (&d)[32], std::uint64_t desc_a, std::uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], std::uint64_t desc_a, std::uint64_t desc_b) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "wgmma inputs here are bf16 or f16");
 #if MOERUNNER_WGMMA_COMPILED
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     MOERUNNER_WGMMA_M64N64K16("bf16")
-#else
-    (void)d, (void)desc_a, (void)desc_b;
-    __trap();
-#endif
-  }
-};
-
-template <>
-struct wgmma_m64n64k16<__half> {
-  __device__ __forceinline__ static void run(float (&d)[32], std::uint64_t desc_a, std::uint64_t desc_b) {
-#if MOERUNNER_WGMMA_COMPILED
+  } else {
     MOERUNNER_WGMMA_M64N64K16("f16")
-#else
-    (void)d, (void)desc_a, (void)desc_b;
-    __trap();
-#endif
   }
-};
+#else
+  (void)d, (void)desc_a, (void)desc_b;
+  __trap();
+#endif
+}
 
 #undef MOERUNNER_WGMMA_M64N64K16
 
@@ -370,15 +347,15 @@ struct moe_gemm_wgmma {
 #pragma unroll
             for (int kk = 0; kk < k_steps; ++kk) {
               const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
-              wgmma_m64n64k16<T>::run(acc0, da + step, d0 + step);
-              wgmma_m64n64k16<T>::run(acc1, da + step, d1 + step);
+              wgmma_m64n64k16<T>(acc0, da + step, d0 + step);
+              wgmma_m64n64k16<T>(acc1, da + step, d1 + step);
             }
           } else {
             const std::uint64_t db = sw128_kmajor_desc(sb);
 #pragma unroll
             for (int kk = 0; kk < k_steps; ++kk) {
               const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
-              wgmma_m64n256k16<T>::run(acc0, da + step, db + step);
+              wgmma_m64n256k16<T>(acc0, da + step, db + step);
             }
           }
           wgmma_commit();

@@ -55,6 +55,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 
 #include <cuda/stream_ref>
 #include <cuda_bf16.h>
@@ -160,10 +161,7 @@ class cuda_fused_policy {
                               " or newer; this device (sm_" + std::to_string(dev.arch) +
                               ") runs code compiled for sm_" + std::to_string(dev.code_arch));
 
-    const bool wgmma = choice == gpu::gemm_tuning_choice::sm90_wgmma ||
-                       choice == gpu::gemm_tuning_choice::sm90_wgmma_m64 ||
-                       choice == gpu::gemm_tuning_choice::sm90_wgmma_m64n128 ||
-                       choice == gpu::gemm_tuning_choice::sm90_wgmma_m128;
+    const bool wgmma = gpu::is_wgmma_choice(choice);
     if (wgmma && !gpu::wgmma_gemm_available(dev))
       throw unsupported_error(std::string(where) + ": GEMM tuning '" + std::string(gpu::gemm_tuning_name(choice)) +
                               "' needs code compiled for sm_90a; this device (sm_" + std::to_string(dev.arch) +
@@ -174,29 +172,17 @@ class cuda_fused_policy {
     if (wgmma) {
       switch (wgmma_tile(choice, m, dev.sm_count)) {
         case gpu::wgmma_tile::m64:
-          if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_m64_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
-          else run_pipeline<__half, gpu::sm90_wgmma_m64_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
+          run_pipeline<gpu::sm90_wgmma_m64_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
           break;
         case gpu::wgmma_tile::m64n128:
-          if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_m64n128_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
-          else run_pipeline<__half, gpu::sm90_wgmma_m64n128_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
+          run_pipeline<gpu::sm90_wgmma_m64n128_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
           break;
-        default:
-          if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
-          else run_pipeline<__half, gpu::sm90_wgmma_gemm_policy>(d, q, out, ws, lay, dev, s, splits);
-          break;
+        default: run_pipeline<gpu::sm90_wgmma_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits); break;
       }
-      return result;
-    }
-    switch (choice) {
-      case gpu::gemm_tuning_choice::sm90:
-        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, s, 1);
-        else run_pipeline<__half, gpu::sm90_gemm_policy>(d, q, out, ws, lay, dev, s, 1);
-        break;
-      default:
-        if (bf16) run_pipeline<__nv_bfloat16, gpu::sm80_gemm_policy>(d, q, out, ws, lay, dev, s, 1);
-        else run_pipeline<__half, gpu::sm80_gemm_policy>(d, q, out, ws, lay, dev, s, 1);
-        break;
+    } else if (choice == gpu::gemm_tuning_choice::sm90) {
+      run_pipeline<gpu::sm90_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, 1);
+    } else {
+      run_pipeline<gpu::sm80_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, 1);
     }
     return result;
   }
@@ -282,8 +268,15 @@ class cuda_fused_policy {
     else gpu::launch_moe_gemm<T, GemmPolicy, Kind>(p, schedule, dev, stream);
   }
 
+  // The pipeline with the element type the run's dtype names (bf16 or, validated, f16).
+  template <class GemmPolicy, class... Args>
+  void run_pipeline(bool bf16, Args&&... args) {
+    if (bf16) run_pipeline_as<__nv_bfloat16, GemmPolicy>(std::forward<Args>(args)...);
+    else run_pipeline_as<__half, GemmPolicy>(std::forward<Args>(args)...);
+  }
+
   template <class T, class GemmPolicy>
-  void run_pipeline(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
+  void run_pipeline_as(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
                     workspace_view ws, const pieces& lay, const gpu::device_facts& dev, cudaStream_t stream,
                     int splits) {
     constexpr auto tuning = GemmPolicy::tuning;
