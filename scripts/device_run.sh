@@ -8,7 +8,7 @@
 #
 #   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,profile]
 #                         [--archs 90a] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
-#                         [--profile-cells "Shape:M,..."] [--pack]
+#                         [--profile-cells "Shape:M,..."] [--profile-source] [--pack]
 #
 #   --out DIR          where logs and results go (default: $OUT if set, else build-device/run)
 #   --results FILE     benchmark JSON lines (default: DIR/h200.jsonl)
@@ -22,6 +22,8 @@
 #   --profile-cells    benchmark cells for the profile step, Shape:M comma-separated (default
 #                      Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1): Nsight Compute (ncu, clocks left
 #                      alone) over cuda_fused's two GEMMs of one run of each cell, into logs/profile-*.log
+#   --profile-source   also sample warp stalls per SASS instruction over each cell's first GEMM
+#                      (ncu SourceCounters), into logs/profile-*-sass.csv.gz
 #   --pack             leave only summary.txt, the results and logs.tar.gz in DIR
 #
 # Exit status: 0 when every step that ran passed.
@@ -40,6 +42,7 @@ budget=570
 bench_args=""
 sanitizer_args=""
 profile_cells="Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1"
+profile_source=0
 pack=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -52,6 +55,7 @@ while [[ $# -gt 0 ]]; do
     --bench-args) bench_args=$2; shift 2 ;;
     --sanitizer-args) sanitizer_args=$2; shift 2 ;;
     --profile-cells) profile_cells=$2; shift 2 ;;
+    --profile-source) profile_source=1; shift ;;
     --pack) pack=1; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "device_run: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -285,6 +289,21 @@ if has_step profile; then
         record "profile $cell" ok "$(grep -m2 -E 'Duration|Memory Throughput' "$log" | tr -s ' ' | tr '\n' ';')"
       elif [[ $rc -eq 124 ]]; then record "profile $cell" timeout "see logs/profile-$shape-$tokens.log"
       else record "profile $cell" failed "exit $rc, see logs/profile-$shape-$tokens.log"; fi
+      [[ $profile_source -eq 1 ]] || continue
+      t=$(step_timeout 150 5)
+      out_of_time "profile-source $cell" "$t" && continue
+      note "profile: stall samples per SASS instruction, first GEMM of $shape M=$tokens (up to ${t}s)"
+      rep="$build/profile-$shape-$tokens"
+      rm -f "$rep.ncu-rep"
+      timeout "$t" "$ncu" --clock-control none -k regex:moe_grouped_gemm --launch-count 1 \
+        --section WarpStateStats --section SourceCounters --export "$rep" \
+        "$build/bench/moe_bench" --once --shapes "$shape" --tokens "$tokens" --backends cuda_fused \
+        --out "$logs/profile-$shape-$tokens-src.jsonl" > "$logs/profile-$shape-$tokens-src.log" 2>&1 &&
+        "$ncu" --import "$rep.ncu-rep" --page source --csv --print-source sass 2>> "$logs/profile-$shape-$tokens-src.log" |
+        gzip > "$logs/profile-$shape-$tokens-sass.csv.gz"
+      rc=$?
+      if [[ $rc -eq 0 ]]; then record "profile-source $cell" ok "logs/profile-$shape-$tokens-sass.csv.gz"
+      else record "profile-source $cell" failed "exit $rc, see logs/profile-$shape-$tokens-src.log"; fi
     done
   fi
 fi

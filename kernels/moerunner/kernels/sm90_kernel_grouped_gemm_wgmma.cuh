@@ -318,10 +318,22 @@ struct moe_gemm_wgmma {
     const int row_base = split_n ? 0 : 64 * group;
     std::uint32_t it = 0;
     float acc0[acc0_regs], acc1[acc1_regs];
+    // Each work item's tile is loaded one item ahead: read at the item's start, its global-load
+    // latency kept the tensor cores idle once per item.
+    moe_work_item next_item{};
+    gpu::moe_m_tile next_tile{};
+    if (blockIdx.x < work) {
+      next_item = decode_work_item(blockIdx.x, tiles, p.n_tiles, p.k_splits, p.raster_band);
+      next_tile = p.tiles[next_item.m_tile];
+    }
     for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
-      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, p.raster_band);
+      const moe_work_item item = next_item;
+      const gpu::moe_m_tile tile = next_tile;
+      if (w + gridDim.x < work) {
+        next_item = decode_work_item(w + gridDim.x, tiles, p.n_tiles, p.k_splits, p.raster_band);
+        next_tile = p.tiles[next_item.m_tile];
+      }
       const int n0 = item.n_tile * out_cols;
-      const gpu::moe_m_tile tile = p.tiles[item.m_tile];
       const int rows = tile.row_end - tile.row_begin;
       int kt_begin = 0, kt_end = 0;
       split_k_range(k_tiles, item.split, p.k_splits, kt_begin, kt_end);
