@@ -10,9 +10,9 @@
 // in the default list), and on request cuda_fused_mma (the mma.sync sm90 tuning forced on
 // sm_90a code), cuda_fused_m64 / cuda_fused_m64n128 / cuda_fused_m128 (the wgmma kernels with
 // 64 x 256, 64 x 128 or 128 x 256 tiles forced, where the default picks by shape),
-// cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the default is 8),
-// cuda_fused_nopf (no L2 prefetch ahead of the wgmma producer's loads) and cuda_fused_pdl
-// (programmatic dependent launches, off by default), which measure one choice each.
+// cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the default is 8) and
+// cuda_fused_pdl (programmatic dependent launches, off by default), which measure one choice
+// each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -91,7 +91,6 @@ struct backend_variant {
   bool by_default;       // in the default list (else only through --backends)
   int raster_band = 0;   // cuda_fused: 0 = the tuning's
   bool dependent = false;  // cuda_fused: programmatic dependent launches
-  int l2_prefetch = -1;    // cuda_fused: K tiles of L2 prefetch, -1 = the tuning's
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -101,7 +100,6 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_m128", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m128, false, false},
     {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
     {"cuda_fused_pdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, true},
-    {"cuda_fused_nopf", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, false, 0},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -567,7 +565,6 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_gemm_tuning(variant->tuning);
           core.set_raster_band(variant->raster_band);
           core.set_dependent_launch(variant->dependent);
-          core.set_l2_prefetch(variant->l2_prefetch);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

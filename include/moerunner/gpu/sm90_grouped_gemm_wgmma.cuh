@@ -166,7 +166,6 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
                         std::to_string(k_splits));
   MOE_EXPECT(p.store != kernels::down_store::partials || p.partials != nullptr, where, "partials is null");
   MOE_EXPECT(p.raster_band >= 1, where, "raster_band must be positive");
-  if (p.l2_prefetch < 0) p.l2_prefetch = tuning.l2_prefetch;
   const std::int64_t work_bound = schedule.capacity * n_tiles * k_splits;
   const auto grid = static_cast<unsigned>(std::min<std::int64_t>({work_bound, dev.sm_count, 0x7fffffff}));
   p.tiles = schedule.tiles;

@@ -174,26 +174,6 @@ __device__ __forceinline__ std::uint64_t sw128_kmajor_desc(std::uint32_t smem_ad
          (stride_byte_offset << 32) | (swizzle_128b << 62);
 }
 
-// Asks L2 for one box of a 3D tensor map (no shared memory, no barrier; sm_90).
-__device__ __forceinline__ void prefetch_tensor_l2(const CUtensorMap* map, const std::int32_t (&coords)[3]) {
-#if MOERUNNER_WGMMA_COMPILED
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(map), "r"(coords[0]),
-               "r"(coords[1]), "r"(coords[2])
-               : "memory");
-#else
-  (void)map, (void)coords;
-#endif
-}
-
-// Asks L2 for the line holding `p`.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#if MOERUNNER_WGMMA_COMPILED
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-#else
-  (void)p;
-#endif
-}
-
 __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, std::uint32_t parity) {
   while (!cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
   }
@@ -244,40 +224,11 @@ struct moe_gemm_wgmma {
                                                 int k0, int n0, int expert) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      std::int32_t coords[3];
-      b_box(j, k0, n0, expert, coords);
+      const std::int32_t coords[3] = {k0, halves == 2 ? n0 : n0 + j * box_rows,
+                                      halves == 2 ? 2 * expert + j : expert};
       cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sb + j * box_rows * bk * 2,
                                       map, coords, bar);
     }
-  }
-
-  // Coordinates of box j (of two) of the tile's B rows at K offset k0.
-  __device__ __forceinline__ static void b_box(int j, int k0, int n0, int expert, std::int32_t (&coords)[3]) {
-    coords[0] = k0;
-    coords[1] = halves == 2 ? n0 : n0 + j * box_rows;
-    coords[2] = halves == 2 ? 2 * expert + j : expert;
-  }
-
-  // Asks L2 for K tile kt of the work item ahead of its load, so that the load that fills a
-  // stage finds its lines in L2 instead of waiting on HBM with the ring full (the ring covers
-  // about three K tiles of latency; the profile of Mixtral-8x7B's GEMM1 at M = 4096 showed
-  // the consumers waiting on full stages half their time while the producer waited on empty
-  // ones). Thread 0 takes the two B boxes, the threads of the first 16-byte column the A rows.
-  __device__ __forceinline__ static void prefetch_tile(const moe_gemm_params<T>& p, const CUtensorMap* map, int kt,
-                                                       int n0, int expert, const int (&a_src_row)[a_passes],
-                                                       int tid) {
-    if (tid == 0) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        std::int32_t coords[3];
-        b_box(j, kt * bk, n0, expert, coords);
-        prefetch_tensor_l2(map, coords);
-      }
-    }
-    if (tid % chunks_per_row != 0 || kt * bk >= p.k) return;
-#pragma unroll
-    for (int i = 0; i < a_passes; ++i)
-      if (a_src_row[i] >= 0) prefetch_l2(p.a + static_cast<std::int64_t>(a_src_row[i]) * p.k + kt * bk);
   }
 
   __device__ static void producer(const moe_gemm_params<T>& p, const CUtensorMap* b_map, unsigned char* ring,
@@ -287,7 +238,6 @@ struct moe_gemm_wgmma {
     // All rows this thread copies are congruent mod 8, so the swizzled chunk is the same for all.
     const int st_chunk = ld_chunk ^ (ld_row & 7);
     const int k_tiles = (p.k + bk - 1) / bk;
-    const int prefetch = p.l2_prefetch;
     const int tiles = *p.tile_count;
     const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles * p.k_splits;
     std::uint32_t it = 0;  // K tiles issued so far, over every work item of this CTA
@@ -306,13 +256,7 @@ struct moe_gemm_wgmma {
         else if constexpr (Kind == moe_gemm_kind::down) a_src_row[i] = tile.row_begin + r;
         else a_src_row[i] = p.row_to_slot[tile.row_begin + r] / p.top_k;
       }
-      // Tiles past the first `stages` (loaded as soon as the ring frees): those before
-      // kt_begin + prefetch now, each later one `prefetch` tiles before its load.
-      for (int kt = kt_begin + stages; kt < kt_end && kt < kt_begin + prefetch; ++kt)
-        prefetch_tile(p, b_map, kt, n0, tile.expert, a_src_row, tid);
       for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
-        if (prefetch > 0 && kt + prefetch < kt_end && kt + prefetch >= kt_begin + stages)
-          prefetch_tile(p, b_map, kt + prefetch, n0, tile.expert, a_src_row, tid);
         const int stage = static_cast<int>(it % stages);
         // A fresh barrier counts as having completed the phase before its first (parity 1).
         mbarrier_wait(&bars.empty[stage], ((it / stages) & 1) ^ 1);
