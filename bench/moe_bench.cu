@@ -10,10 +10,9 @@
 // in the default list), and on request cuda_fused_mma (the mma.sync sm90 tuning forced on
 // sm_90a code), cuda_fused_m64 / cuda_fused_m64n128 / cuda_fused_m128 (the wgmma kernels with
 // 64 x 256, 64 x 128 or 128 x 256 tiles forced, where the default picks by shape),
-// cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the default is 8),
-// cuda_fused_b1tma / cuda_fused_b0tma (one or neither of a wgmma stage's two weight boxes by
-// TMA, the rest by cp.async) and cuda_fused_pdl (programmatic dependent launches, off by
-// default), which measure one choice each.
+// cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the default is 8) and
+// cuda_fused_pdl (programmatic dependent launches, off by default), which measure one choice
+// each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -92,7 +91,6 @@ struct backend_variant {
   bool by_default;       // in the default list (else only through --backends)
   int raster_band = 0;   // cuda_fused: 0 = the tuning's
   bool dependent = false;  // cuda_fused: programmatic dependent launches
-  int b_tma_boxes = -1;    // cuda_fused: weight boxes per wgmma stage by TMA, -1 = the tuning's
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -102,8 +100,6 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_m128", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m128, false, false},
     {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
     {"cuda_fused_pdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, true},
-    {"cuda_fused_b1tma", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, false, 1},
-    {"cuda_fused_b0tma", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, false, 0},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -569,7 +565,6 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_gemm_tuning(variant->tuning);
           core.set_raster_band(variant->raster_band);
           core.set_dependent_launch(variant->dependent);
-          core.set_b_tma_boxes(variant->b_tma_boxes);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

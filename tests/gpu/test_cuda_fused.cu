@@ -151,13 +151,6 @@ struct problem {
   }
 };
 
-// cuda_fused's launch-order settings (defaults: the tuning's).
-struct launch_settings {
-  int raster_band = 0;
-  bool dependent_launch = false;
-  int b_tma_boxes = -1;
-};
-
 // Device copies of a problem and a runner that picked cuda_fused, with its workspace.
 struct on_device {
   device_tensor x, w13, w2, weights, ids;
@@ -166,8 +159,8 @@ struct on_device {
   std::optional<runner_t> runner;
   mr::workspace_view ws;
 
-  on_device(const problem& p, tuning tu, bool deterministic, std::size_t ws_misalign = 0,
-            const launch_settings& ls = {})
+  on_device(const problem& p, tuning tu, bool deterministic, std::size_t ws_misalign = 0, int raster_band = 0,
+            bool dependent_launch = false)
       : x(p.x), w13(p.w13), w2(p.w2), weights(p.weights), ids(p.ids) {
     mr::moe_config_params params = p.cfg.params();
     params.deterministic = deterministic;
@@ -176,9 +169,8 @@ struct on_device {
     runner->visit([&](auto& core) {
       if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>) {
         core.set_gemm_tuning(tu);
-        core.set_raster_band(ls.raster_band);
-        core.set_dependent_launch(ls.dependent_launch);
-        core.set_b_tma_boxes(ls.b_tma_boxes);
+        core.set_raster_band(raster_band);
+        core.set_dependent_launch(dependent_launch);
       }
     });
     if (p.opt.inplace) {
@@ -267,7 +259,7 @@ void compare(const problem& p, const host_tensor& got) {
   CHECK_MESSAGE(nonzero_zero_rows == 0, nonzero_zero_rows, " rows should be exactly zero");
 }
 
-void check_case(const shape& s, mr::dtype t, const options& o = {}, const launch_settings& ls = {}) {
+void check_case(const shape& s, mr::dtype t, const options& o = {}, int raster_band = 0, bool dependent = false) {
   const unsigned seed = std::random_device{}();
   CAPTURE(seed);
   std::mt19937 rng(seed);
@@ -276,7 +268,7 @@ void check_case(const shape& s, mr::dtype t, const options& o = {}, const launch
     for (bool det : both_modes) {
       CAPTURE(describe(s, t, o, tu, det));
       // A workspace that is not 256-byte aligned: the policy aligns its pieces itself.
-      on_device g(p, tu, det, 8, ls);
+      on_device g(p, tu, det, 8, raster_band, dependent);
       if (!o.inplace) g.fill_out(0xff);
       MOE_CUDA_CHECK(cudaMemset(g.ws_buf.get(), 0xff, g.ws_buf.bytes()));  // nothing may rely on zeroed scratch
       g.launch(p, nullptr);
@@ -350,32 +342,17 @@ TEST_CASE("cuda_fused matches the reference: raster bands forced") {
   // default 8 in another order.
   for (int band : {1, 3}) {
     CAPTURE(band);
-    check_case({1000, 8, 1, odd_h, odd_i}, mr::dtype::bf16, {.ids = ids_kind::one_expert}, {.raster_band = band});
-    check_case({1000, 64, 8, odd_h, odd_i}, mr::dtype::bf16, {}, {.raster_band = band});
-    check_case({300, 8, 2, 520, 264}, mr::dtype::f16, {.ids = ids_kind::filtered}, {.raster_band = band});
-    check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, {.raster_band = band});
+    check_case({1000, 8, 1, odd_h, odd_i}, mr::dtype::bf16, {.ids = ids_kind::one_expert}, band);
+    check_case({1000, 64, 8, odd_h, odd_i}, mr::dtype::bf16, {}, band);
+    check_case({300, 8, 2, 520, 264}, mr::dtype::f16, {.ids = ids_kind::filtered}, band);
+    check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, band);
   }
 }
 
 TEST_CASE("cuda_fused matches the reference: programmatic dependent launches") {
-  const launch_settings pdl{.dependent_launch = true};
-  check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, pdl);
-  check_case({1000, 64, 8, odd_h, odd_i}, mr::dtype::bf16, {}, pdl);
-  check_case({5000, 8, 1, odd_h, odd_i}, mr::dtype::f16, {.ids = ids_kind::filtered}, pdl);  // plan in 3 launches
-}
-
-TEST_CASE("cuda_fused matches the reference: weight boxes by cp.async") {
-  // One or neither of a wgmma stage's two weight boxes by TMA: the producer threads copy the
-  // rest into the same swizzled layout, with partial N and K tiles zero-filled as TMA does.
-  for (int boxes : {0, 1}) {
-    CAPTURE(boxes);
-    const launch_settings ls{.b_tma_boxes = boxes};
-    check_case({300, 8, 2, 520, 264}, mr::dtype::bf16, {}, ls);
-    check_case({300, 8, 2, 520, 264}, mr::dtype::f16, {.gated = false}, ls);
-    check_case({1000, 8, 1, odd_h, odd_i}, mr::dtype::bf16, {.ids = ids_kind::one_expert}, ls);
-    check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, ls);
-    check_case({0, 8, 2, odd_h, odd_i}, mr::dtype::bf16, {}, ls);
-  }
+  check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, 0, true);
+  check_case({1000, 64, 8, odd_h, odd_i}, mr::dtype::bf16, {}, 0, true);
+  check_case({5000, 8, 1, odd_h, odd_i}, mr::dtype::f16, {.ids = ids_kind::filtered}, 0, true);  // plan in 3 launches
 }
 
 TEST_CASE("cuda_fused matches the reference: activations") {

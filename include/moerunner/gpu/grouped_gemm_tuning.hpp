@@ -84,7 +84,6 @@ struct wgmma_gemm_tuning {
   int producer_lag;         // K tiles of A copies a producer thread keeps in flight before it signals
   int min_arch;
   int raster_band;          // M tiles that walk the N tiles together (see decode_work_item)
-  int b_tma_boxes;          // of the stage's two B boxes, how many come by TMA (the rest by cp.async)
 
   constexpr int threads() const { return 128 * (1 + consumer_warpgroups); }
   constexpr int stage_bytes() const { return (block_m + block_n) * block_k * 2; }
@@ -107,7 +106,6 @@ consteval bool check_wgmma_gemm_tuning(wgmma_gemm_tuning t) {
   if (t.smem_bytes() > 227 * 1024) throw "the ring does not fit in shared memory";
   if (t.min_arch != 90) throw "wgmma needs sm_90a";
   if (t.raster_band < 1) throw "raster_band must be positive";
-  if (t.b_tma_boxes < 0 || t.b_tma_boxes > 2) throw "b_tma_boxes must be 0, 1 or 2";
   return true;
 }
 
@@ -121,8 +119,7 @@ struct sm90_wgmma_gemm_policy {
                                             .stages = 4,
                                             .producer_lag = 2,
                                             .min_arch = 90,
-                                            .raster_band = 8,
-                                            .b_tma_boxes = 2};
+                                            .raster_band = 8};
 };
 // Tiles of 64 rows, for experts that see few rows, where the GEMMs stream weights: two
 // warpgroups share the rows and split the B rows (each runs half the wgmma work of one
@@ -135,8 +132,7 @@ struct sm90_wgmma_m64_gemm_policy {
                                             .stages = 5,
                                             .producer_lag = 3,
                                             .min_arch = 90,
-                                            .raster_band = 8,
-                                            .b_tma_boxes = 2};
+                                            .raster_band = 8};
 };
 // Tiles of 64 rows and 128 B rows with one consumer warpgroup: twice the (M tile, N tile)
 // items of the above, for decode shapes whose active experts leave most SMs idle.
@@ -148,8 +144,7 @@ struct sm90_wgmma_m64n128_gemm_policy {
                                             .stages = 8,
                                             .producer_lag = 6,
                                             .min_arch = 90,
-                                            .raster_band = 8,
-                                            .b_tma_boxes = 2};
+                                            .raster_band = 8};
 };
 static_assert(check_wgmma_gemm_tuning(sm90_wgmma_gemm_policy::tuning));
 static_assert(check_wgmma_gemm_tuning(sm90_wgmma_m64_gemm_policy::tuning));

@@ -166,8 +166,6 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
                         std::to_string(k_splits));
   MOE_EXPECT(p.store != kernels::down_store::partials || p.partials != nullptr, where, "partials is null");
   MOE_EXPECT(p.raster_band >= 1, where, "raster_band must be positive");
-  if (p.b_tma_boxes < 0) p.b_tma_boxes = tuning.b_tma_boxes;
-  MOE_EXPECT(p.b_tma_boxes <= 2, where, "b_tma_boxes must be -1 (the tuning's), 0, 1 or 2");
   const std::int64_t work_bound = schedule.capacity * n_tiles * k_splits;
   const auto grid = static_cast<unsigned>(std::min<std::int64_t>({work_bound, dev.sm_count, 0x7fffffff}));
   p.tiles = schedule.tiles;

@@ -128,7 +128,6 @@ struct moe_gemm_params {
   int n_tiles;                          // ceil(n / output columns per CTA)
   int k_splits = 1;                     // K ranges per tile (GEMM2 with accumulate or partials only)
   int raster_band = 1;                  // M tiles that walk the N tiles together (decode_work_item)
-  int b_tma_boxes = -1;                 // wgmma only: B boxes per stage by TMA, the rest by cp.async (-1: the tuning's)
   const float* input_weights;           // GEMM1 with apply_router_weight_on_input: topk_weights [M*k]; else null
   activation act;
   // GEMM2 only.

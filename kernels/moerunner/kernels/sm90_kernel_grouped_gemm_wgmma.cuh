@@ -200,9 +200,8 @@ struct moe_gemm_wgmma {
   static constexpr int rows_per_pass = producer_threads / chunks_per_row;  // 16
   static constexpr int a_passes = bm / rows_per_pass;
   static constexpr int k_steps = bk / 16;  // wgmma per K tile
-  // Registers: the producer needs few (its weight-row copies spill below 64); consumers hold
-  // 128 accumulators each.
-  static constexpr int producer_regs = 64, consumer_regs = 216;
+  // Registers: the producer needs few; consumers hold 128 accumulators each.
+  static constexpr int producer_regs = 56, consumer_regs = 216;
 
   static_assert(gpu::check_wgmma_gemm_tuning(tuning));
   static_assert(sizeof(T) == 2, "the tile layout is written for 16-bit elements");
@@ -220,35 +219,15 @@ struct moe_gemm_wgmma {
   // The tile's bn B rows as two boxes of the [E * halves, n, K] tensor map: for gate_up the bn/2
   // gate rows of columns n0.. (z = 2e) then the bn/2 up rows of the same columns (z = 2e + 1),
   // so the up value of a column sits bn/2 rows below its gate value; otherwise rows n0 and
-  // n0 + bn/2. The map's boxes are box_rows rows (weight_tensor_map). Boxes [0, boxes) by TMA.
-  __device__ __forceinline__ static void load_b_tma(const CUtensorMap* map, std::uint64_t* bar, unsigned char* sb,
-                                                    int k0, int n0, int expert, int boxes) {
-    for (int j = 0; j < boxes; ++j) {
+  // n0 + bn/2. The map's boxes are box_rows rows (weight_tensor_map).
+  __device__ __forceinline__ static void load_b(const CUtensorMap* map, std::uint64_t* bar, unsigned char* sb,
+                                                int k0, int n0, int expert) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
       const std::int32_t coords[3] = {k0, halves == 2 ? n0 : n0 + j * box_rows,
                                       halves == 2 ? 2 * expert + j : expert};
       cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sb + j * box_rows * bk * 2,
                                       map, coords, bar);
-    }
-  }
-
-  // Boxes [first_box, 2) of the same rows by this thread's 16-byte cp.async copies, in the
-  // layout TMA's 128-byte swizzle writes (chunk c of row r at c ^ r % 8), zero past n and k:
-  // the copies go through the load/store path rather than the SM's TMA unit.
-  __device__ __forceinline__ static void load_b_rows(const moe_gemm_params<T>& p, unsigned char* sb, int kcol,
-                                                     bool k_ok, int n0, int expert, int first_box, int ld_row,
-                                                     int st_chunk) {
-    const std::int64_t pass_stride = static_cast<std::int64_t>(rows_per_pass) * p.k;
-    for (int j = first_box; j < 2; ++j) {
-      // This thread's first row of box j: row y0 of [n, K] block `block` of the weights.
-      const int y0 = (halves == 2 ? n0 : n0 + j * box_rows) + ld_row;
-      const std::int64_t block = halves == 2 ? 2 * static_cast<std::int64_t>(expert) + j : expert;
-      const T* src = p.b + (block * p.n + y0) * p.k + kcol;
-      const std::uint32_t dst = smem_address(sb + (j * box_rows + ld_row) * (bk * 2) + st_chunk * 16);
-#pragma unroll
-      for (int i = 0; i < box_rows / rows_per_pass; ++i, src += pass_stride) {
-        const bool ok = k_ok && y0 + i * rows_per_pass < p.n;
-        cp_async_16(dst + i * rows_per_pass * (bk * 2), ok ? src : p.b, ok);
-      }
     }
   }
 
@@ -259,7 +238,6 @@ struct moe_gemm_wgmma {
     // All rows this thread copies are congruent mod 8, so the swizzled chunk is the same for all.
     const int st_chunk = ld_chunk ^ (ld_row & 7);
     const int k_tiles = (p.k + bk - 1) / bk;
-    const int tma_boxes = p.b_tma_boxes;
     const int tiles = *p.tile_count;
     const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles * p.k_splits;
     std::uint32_t it = 0;  // K tiles issued so far, over every work item of this CTA
@@ -285,13 +263,11 @@ struct moe_gemm_wgmma {
         unsigned char* sa = ring + stage * tuning.stage_bytes();
         if (tid == 0) {
           cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
-                                               &bars.full[stage],
-                                               static_cast<std::uint32_t>(tma_boxes * box_rows * bk * 2));
-          load_b_tma(b_map, &bars.full[stage], sa + a_bytes, kt * bk, n0, tile.expert, tma_boxes);
+                                               &bars.full[stage], static_cast<std::uint32_t>(b_bytes));
+          load_b(b_map, &bars.full[stage], sa + a_bytes, kt * bk, n0, tile.expert);
         }
         const int kcol = kt * bk + ld_chunk * 8;
         const bool k_ok = kcol < p.k;  // k is a multiple of 8: a chunk is wholly in or out
-        if (tma_boxes < 2) load_b_rows(p, sa + a_bytes, kcol, k_ok, n0, tile.expert, tma_boxes, ld_row, st_chunk);
 #pragma unroll
         for (int i = 0; i < a_passes; ++i) {
           // 64-row tiles (decode) leave rows past the tile as they are: their results are never

@@ -98,17 +98,11 @@ class cuda_fused_policy {
   gpu::gemm_tuning_choice gemm_tuning() const noexcept { return tuning_; }
 
   // Launch-order settings, for measuring them: the M tiles per raster band (0: the tuning's),
-  // how many of a wgmma stage's two weight boxes come by TMA, the rest by cp.async (-1: the
-  // tuning's), and whether the plan and the wgmma GEMMs are programmatic dependent launches (off by
+  // and whether the plan and the wgmma GEMMs are programmatic dependent launches (off by
   // default: they measured 1-12% slower at decode on an H200, see bench/NOTES.md).
   void set_raster_band(int band) {
     MOE_EXPECT(band >= 0, "cuda_fused_policy::set_raster_band", "band must be 0 (the tuning's) or positive");
     raster_band_ = band;
-  }
-  void set_b_tma_boxes(int boxes) {
-    MOE_EXPECT(boxes >= -1 && boxes <= 2, "cuda_fused_policy::set_b_tma_boxes",
-               "boxes must be -1 (the tuning's), 0, 1 or 2");
-    b_tma_boxes_ = boxes;
   }
   void set_dependent_launch(bool on) noexcept { dependent_launch_ = on; }
 
@@ -268,7 +262,6 @@ class cuda_fused_policy {
                    const gpu::device_facts& dev, cudaStream_t stream) const {
     kernels::moe_gemm_params<T> p = g;
     p.raster_band = raster_band<GemmPolicy>();
-    p.b_tma_boxes = b_tma_boxes_;
     if constexpr (std::is_same_v<std::remove_cv_t<decltype(GemmPolicy::tuning)>, gpu::wgmma_gemm_tuning>)
       gpu::launch_moe_gemm_wgmma<T, Kind, GemmPolicy>(p, cfg_.num_local_experts(), schedule, dev, stream,
                                                       dependent_launch_);
@@ -361,7 +354,6 @@ class cuda_fused_policy {
   MoeRunnerConfig cfg_;
   gpu::gemm_tuning_choice tuning_ = gpu::gemm_tuning_choice::automatic;
   int raster_band_ = 0;
-  int b_tma_boxes_ = -1;
   bool dependent_launch_ = false;
 };
 
