@@ -10,10 +10,12 @@
 
 namespace moerunner::kernels {
 
-// g / (1 + e^-g) through the SFU: ex2 and a reciprocal, about 2 ulp in f32, far below the
-// 16-bit output's rounding, at a fifth of expf and an IEEE division (the GEMM1 epilogue runs
-// it on every output while the tensor cores wait). -inf gives NaN, as the division did; a
-// denominator past 2^126 (g < -87) gives 0, where the true value is below 1e-36.
+// x / (1 + e^-g) through the SFU: ex2 and an approximate reciprocal, within 2 + 1.16|g| ulp
+// of f32 (below 2e-5 relative), far under the 16-bit output's rounding, at a fraction of the
+// cost of expf and an IEEE division (GEMM1's epilogue runs it on every output while the
+// tensor cores wait; see bench/NOTES.md, round 4). g = -inf gives NaN, as the division did;
+// a denominator past 2^126 (g < -87.3) gives 0, where silu's true value is under 2e-36 in
+// magnitude.
 __device__ __forceinline__ float sigmoid_mul(float x, float g) { return __fdividef(x, 1.0f + __expf(-g)); }
 
 __device__ __forceinline__ float silu(float g) { return sigmoid_mul(g, g); }
