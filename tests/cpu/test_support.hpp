@@ -1,5 +1,5 @@
-// Helpers shared by the CPU tests: host tensors, sentinel checks, independent
-// float decoders and small host policies whose names are template arguments.
+// Helpers shared by the CPU tests: sentinel checks, independent float decoders and small
+// host policies whose names are template arguments (host tensors: tests/common).
 #pragma once
 
 #include <cmath>
@@ -19,6 +19,7 @@
 #include "moerunner/core/tensor_view.hpp"
 #include "moerunner/lora/lora.hpp"
 #include "moerunner/policies/reference_policy.hpp"
+#include "../common/test_tensors.hpp"
 
 namespace moerunner::cpu_test {
 
@@ -33,35 +34,8 @@ struct fixed_string {
   constexpr std::string_view view() const { return {chars, size}; }
 };
 
-// Owns host memory (8-byte aligned) and a contiguous view onto it.
-struct host_tensor {
-  std::vector<std::uint64_t> storage;
-  tensor_view view;
-
-  host_tensor() = default;
-  host_tensor(dtype t, std::initializer_list<std::int64_t> dims) {
-    view = tensor_view::contiguous(nullptr, t, dims, memory_space::host);
-    storage.resize(view.bytes() / 8 + 1);
-    view.data = storage.data();
-  }
-  host_tensor(const host_tensor& o) : storage(o.storage), view(o.view) { view.data = storage.data(); }
-  host_tensor& operator=(const host_tensor& o) {
-    storage = o.storage;
-    view = o.view;
-    view.data = storage.data();
-    return *this;
-  }
-  host_tensor(host_tensor&&) noexcept = default;
-  host_tensor& operator=(host_tensor&&) noexcept = default;
-
-  std::int64_t numel() const { return view.numel(); }
-  std::vector<unsigned char> bytes() const {
-    const auto* p = static_cast<const unsigned char*>(view.data);
-    return {p, p + view.bytes()};
-  }
-  template <class T>
-  T* ptr() const { return view.ptr<T>(); }
-};
+using test::host_tensor;
+using test::set_element;
 
 // Fills every byte with a pattern no computation produces, so untouched memory is recognizable.
 inline void fill_sentinel(host_tensor& t) {
@@ -114,20 +88,9 @@ inline double decode(const tensor_view& t, std::int64_t i) {
   return NAN;
 }
 
-// Stores v rounded to the tensor's dtype (inputs only; outputs are read with decode()).
-inline void store(const tensor_view& t, std::int64_t i, float v) {
-  switch (t.type) {
-    case dtype::f32: t.ptr<float>()[i] = v; break;
-    case dtype::bf16: t.ptr<std::uint16_t>()[i] = host_float::float_to_bf16(v); break;
-    case dtype::f16: t.ptr<std::uint16_t>()[i] = host_float::float_to_half(v); break;
-    case dtype::f8_e4m3: t.ptr<std::uint8_t>()[i] = host_float::float_to_e4m3(v); break;
-    case dtype::i32: t.ptr<std::int32_t>()[i] = static_cast<std::int32_t>(v); break;
-  }
-}
-
 inline void fill_uniform(host_tensor& t, std::mt19937& rng, float lo, float hi) {
   std::uniform_real_distribution<float> d(lo, hi);
-  for (std::int64_t i = 0; i < t.numel(); ++i) store(t.view, i, d(rng));
+  for (std::int64_t i = 0; i < t.numel(); ++i) set_element(t.view, i, d(rng));
 }
 
 inline cuda::stream_ref host_stream() { return cuda::stream_ref{}; }

@@ -13,6 +13,7 @@
 #include "moerunner/core/tensor_view.hpp"
 #include "moerunner/reference/routing.hpp"
 #include "moerunner/gpu/cuda_check.hpp"
+#include "../common/test_tensors.hpp"
 
 namespace moerunner::test {
 
@@ -63,29 +64,6 @@ class device_buffer {
   std::size_t bytes_ = 0;
 };
 
-// Host tensor with raw storage plus a view onto it.
-struct host_tensor {
-  std::vector<unsigned char> storage;
-  tensor_view view;
-  host_tensor() = default;
-  host_tensor(dtype t, std::initializer_list<std::int64_t> dims) {
-    view = tensor_view::contiguous(nullptr, t, dims, memory_space::host);
-    storage.resize(view.bytes() + 1);
-    view.data = storage.data();
-  }
-  // Copies rebind the view to their own storage.
-  host_tensor(const host_tensor& o) : storage(o.storage), view(o.view) { view.data = storage.data(); }
-  host_tensor& operator=(const host_tensor& o) {
-    storage = o.storage;
-    view = o.view;
-    view.data = storage.data();
-    return *this;
-  }
-  host_tensor(host_tensor&&) noexcept = default;
-  host_tensor& operator=(host_tensor&&) noexcept = default;
-  std::int64_t numel() const { return view.numel(); }
-};
-
 // Device tensor mirroring a host one.
 struct device_tensor {
   device_buffer buf;
@@ -103,16 +81,6 @@ struct device_tensor {
 };
 
 inline float element(const tensor_view& t, std::int64_t i) { return reference::detail::load_as_float(t, i); }
-
-inline void set_element(const tensor_view& t, std::int64_t i, float v) {
-  switch (t.type) {
-    case dtype::f32: t.ptr<float>()[i] = v; break;
-    case dtype::bf16: t.ptr<std::uint16_t>()[i] = host_float::float_to_bf16(v); break;
-    case dtype::f16: t.ptr<std::uint16_t>()[i] = host_float::float_to_half(v); break;
-    case dtype::f8_e4m3: t.ptr<std::uint8_t>()[i] = host_float::float_to_e4m3(v); break;
-    case dtype::i32: t.ptr<std::int32_t>()[i] = static_cast<std::int32_t>(v); break;
-  }
-}
 
 // Uniform random values in [-scale, scale), rounded to the tensor's dtype; never all zeros.
 inline void fill_random(host_tensor& t, std::mt19937& rng, float scale = 1.0f) {

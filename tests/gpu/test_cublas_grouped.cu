@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gpu_test_util.hpp"
+#include "moe_problem.hpp"
 #include "moerunner/moerunner.hpp"
 #include "moerunner/policies/cublas_grouped_policy.cuh"
 
@@ -26,158 +27,19 @@ namespace {
 
 using runner_t = mr::MoeRunner<mr::reference_policy, mr::cublas_grouped_policy>;
 
-// Normwise bounds: a few units of each dtype's rounding (bf16 8 bits, fp16 11) times the growth over H and I.
-double bound_for(mr::dtype t) { return t == mr::dtype::bf16 ? 1e-2 : 2e-3; }
-
-enum class ids_kind { softmax, one_expert, filtered, all_filtered };
-
-struct shape {
-  int m, e, k, h, i;
-};
-
-struct options {
-  mr::activation_kind act = mr::activation_kind::silu;
-  ids_kind ids = ids_kind::softmax;
-  bool gated = true;
-  bool no_combine = false;
-  bool weight_on_input = false;
-  bool inplace = false;
-  float scaling = 1.0f;
-  bool scaling_in_weights = false;
-};
-
-std::string describe(const shape& s, mr::dtype t, const options& o) {
-  return "M=" + std::to_string(s.m) + " E=" + std::to_string(s.e) + " k=" + std::to_string(s.k) +
-         " H=" + std::to_string(s.h) + " I=" + std::to_string(s.i) + " " + std::string(mr::dtype_name(t)) + " " +
-         std::string(mr::activation_name(o.act)) + " ids=" + std::to_string(static_cast<int>(o.ids)) +
-         (o.gated ? "" : " ungated") + (o.no_combine ? " no_combine" : "") +
-         (o.weight_on_input ? " weight_on_input" : "") + (o.inplace ? " inplace" : "") +
-         " scaling=" + std::to_string(o.scaling) + (o.scaling_in_weights ? " (in weights)" : "");
-}
-
-// A random problem on the host with its reference output.
-struct problem {
-  shape s;
-  mr::dtype type;
-  options opt;
-  mr::MoeRunnerConfig cfg;
-  host_tensor x, w13, w2, weights, ids, ref;
-
-  problem(const shape& sh, mr::dtype t, const options& o, std::mt19937& rng)
-      : s(sh),
-        type(t),
-        opt(o),
-        cfg(mr::moe_config_params{.num_experts = sh.e,
-                                  .hidden_size = sh.h,
-                                  .intermediate_size = sh.i,
-                                  .top_k = sh.k,
-                                  .act = {.kind = o.act},
-                                  .is_gated = o.gated,
-                                  .apply_router_weight_on_input = o.weight_on_input,
-                                  .routed_scaling_factor = o.scaling,
-                                  .no_combine = o.no_combine,
-                                  .inplace = o.inplace}),
-        x(t, {sh.m, sh.h}),
-        w13(t, {sh.e, cfg.w13_rows(), sh.h}),
-        w2(t, {sh.e, sh.h, sh.i}),
-        weights(mr::dtype::f32, {sh.m, sh.k}),
-        ids(mr::dtype::i32, {sh.m, sh.k}) {
-    mr::test::fill_random(x, rng, 1.0f);
-    mr::test::fill_random(w13, rng, 2.0f / std::sqrt(static_cast<float>(sh.h)));
-    mr::test::fill_random(w2, rng, 2.0f / std::sqrt(static_cast<float>(sh.i)));
-    route(rng);
-    ref = o.no_combine ? host_tensor(t, {sh.m, sh.k, sh.h}) : host_tensor(t, {sh.m, sh.h});
-    runner_t runner("reference", cfg);
-    if (o.inplace) {
-      host_tensor xin = x;
-      mr::DispatchOutput d{xin.view, {}, topk(weights.view, ids.view)};
-      runner.run(d, mr::unquantized_quant_info{w13.view, w2.view}, xin.view, {}, {});
-      std::memcpy(ref.view.data, xin.view.data, ref.view.bytes());
-    } else {
-      mr::DispatchOutput d{x.view, {}, topk(weights.view, ids.view)};
-      runner.run(d, mr::unquantized_quant_info{w13.view, w2.view}, ref.view, {}, {});
-    }
-  }
-
-  mr::TopKOutput topk(const mr::tensor_view& w, const mr::tensor_view& i) const {
-    return {w, i, opt.scaling_in_weights};
-  }
-
-  void route(std::mt19937& rng) {
-    host_tensor logits(mr::dtype::f32, {s.m, s.e});
-    mr::test::fill_random(logits, rng, 4.0f);
-    mr::topk_config tc{.top_k = s.k,
-                       .routed_scaling_factor = opt.scaling,
-                       .apply_routed_scaling_factor_on_weights = opt.scaling_in_weights};
-    mr::TopKOutput out{weights.view, ids.view};
-    mr::reference::topk(logits.view, nullptr, tc, out);
-    auto* id = ids.view.ptr<std::int32_t>();
-    const std::int64_t slots = static_cast<std::int64_t>(s.m) * s.k;
-    switch (opt.ids) {
-      case ids_kind::softmax: break;
-      case ids_kind::one_expert:  // slot 0 of every token on one expert, the rest on its neighbours
-        for (std::int64_t q = 0; q < slots; ++q) id[q] = (s.e / 2 + static_cast<int>(q % s.k)) % s.e;
-        break;
-      case ids_kind::filtered:  // every third slot and all of the middle token filtered
-        for (std::int64_t q = 0; q < slots; ++q)
-          if (q % 3 == 1 || q / s.k == s.m / 2) id[q] = -1;
-        break;
-      case ids_kind::all_filtered:
-        for (std::int64_t q = 0; q < slots; ++q) id[q] = -1;
-        break;
-    }
-  }
-};
-
-// Device copies of a problem and a cublas_grouped runner with its workspace.
-struct on_device {
-  device_tensor x, w13, w2, weights, ids;
-  device_buffer out_buf, ws;
-  mr::tensor_view out;
-  std::optional<runner_t> runner;
-  bool inplace;
-
-  explicit on_device(const problem& p)
-      : x(p.x), w13(p.w13), w2(p.w2), weights(p.weights), ids(p.ids), inplace(p.opt.inplace) {
-    runner.emplace("cublas_grouped", p.cfg);
-    if (inplace) {
-      out = x.view;
-    } else {
-      out_buf = device_buffer(p.ref.view.bytes());
-      out = p.ref.view;
-      out.data = out_buf.get();
-      out.space = mr::memory_space::device;
-    }
-    ws = device_buffer(runner->workspace_bytes(p.s.m));
-  }
-
-  mr::DispatchOutput dispatch(const problem& p) const { return {x.view, {}, p.topk(weights.view, ids.view)}; }
-
-  void launch(const problem& p, cudaStream_t stream) {
-    runner->run(dispatch(p), mr::unquantized_quant_info{w13.view, w2.view}, out, {ws.get(), ws.bytes()},
-                cuda::stream_ref(stream));
-  }
-
-  void poison_out() {
-    if (out.bytes()) MOE_CUDA_CHECK(cudaMemset(out.data, 0xff, out.bytes()));
-  }
-
-  host_tensor result(const problem& p) const {
-    host_tensor h = p.ref;
-    if (out.bytes()) MOE_CUDA_CHECK(cudaMemcpy(h.view.data, out.data, out.bytes(), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using mr::test::bound_for;
+using mr::test::ids_kind;
+using shape = mr::test::moe_shape;
+using options = mr::test::moe_options;
+using problem = mr::test::moe_problem;
+using on_device = mr::test::moe_on_device<mr::cublas_grouped_policy>;
 
 // Runs once on a poisoned output (NaN everywhere, so an unwritten element fails) and compares.
 void check_against_reference(const shape& s, mr::dtype t, const options& o, std::mt19937& rng) {
-  CAPTURE(describe(s, t, o));
+  CAPTURE(mr::test::describe(s, t, o));
   problem p(s, t, o, rng);
   on_device g(p);
-  if (!o.inplace) g.poison_out();
-  g.launch(p, nullptr);
-  MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  const host_tensor got = g.result(p);
+  const host_tensor got = g.run_once(p);
   const double err = mr::test::rel_error(got.view, p.ref.view);
   CHECK_MESSAGE(err <= bound_for(t), "relative error ", err, " bound ", bound_for(t));
 }
@@ -267,7 +129,7 @@ TEST_CASE("cublas_grouped rejects an out-of-range expert id before writing the o
   }
   // The policy is still usable after a rejected call.
   g.ids.buf.upload(std::vector<std::int32_t>(p.ids.view.ptr<std::int32_t>(), p.ids.view.ptr<std::int32_t>() + 32));
-  g.poison_out();
+  g.fill_out(0xff);
   g.launch(p, nullptr);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   CHECK(mr::test::rel_error(g.result(p).view, p.ref.view) <= bound_for(mr::dtype::bf16));
@@ -302,14 +164,14 @@ TEST_CASE("cublas_grouped stays correct when runs alternate between streams") {
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
   MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
   for (int r = 0; r < 5; ++r) {
-    ga.poison_out();
-    gb.poison_out();
+    ga.fill_out(0xff);
+    gb.fill_out(0xff);
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
     // One runner serves both problems, as an engine serves several layers of one shape.
     ga.runner->run(ga.dispatch(a), mr::unquantized_quant_info{ga.w13.view, ga.w2.view}, ga.out,
-                   {ga.ws.get(), ga.ws.bytes()}, cuda::stream_ref(s1));
+                   ga.ws, cuda::stream_ref(s1));
     ga.runner->run(gb.dispatch(b), mr::unquantized_quant_info{gb.w13.view, gb.w2.view}, gb.out,
-                   {gb.ws.get(), gb.ws.bytes()}, cuda::stream_ref(s2));
+                   gb.ws, cuda::stream_ref(s2));
     MOE_CUDA_CHECK(cudaDeviceSynchronize());
     CHECK(mr::test::rel_error(ga.result(a).view, a.ref.view) <= bound_for(mr::dtype::bf16));
     CHECK(mr::test::rel_error(gb.result(b).view, b.ref.view) <= bound_for(mr::dtype::bf16));
@@ -324,9 +186,9 @@ TEST_CASE("a moved cublas_grouped policy keeps its handle and runs") {
   on_device g(p);
   mr::cublas_grouped_policy first(p.cfg);
   mr::cublas_grouped_policy moved(std::move(first));
-  g.poison_out();
+  g.fill_out(0xff);
   const mr::unquantized_quant_info q{g.w13.view, g.w2.view};
-  moved.run_from_dispatch(g.dispatch(p), q, g.out, {g.ws.get(), g.ws.bytes()}, cuda::stream_ref(cudaStream_t{}));
+  moved.run_from_dispatch(g.dispatch(p), q, g.out, g.ws, cuda::stream_ref(cudaStream_t{}));
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   CHECK(mr::test::rel_error(g.result(p).view, p.ref.view) <= bound_for(mr::dtype::f16));
 }

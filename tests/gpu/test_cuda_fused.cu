@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gpu_test_util.hpp"
+#include "moe_problem.hpp"
 #include "moerunner/moerunner.hpp"
 #include "moerunner/policies/cuda_fused_policy.cuh"
 
@@ -36,171 +37,44 @@ namespace {
 using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_policy>;
 using tuning = mr::gpu::gemm_tuning_choice;
 
-double bound_for(mr::dtype t) { return t == mr::dtype::bf16 ? 1e-2 : 2e-3; }
+using mr::test::bound_for;
+using mr::test::ids_kind;
+using shape = mr::test::moe_shape;
+using options = mr::test::moe_options;
+using problem = mr::test::moe_problem;
+
 constexpr double per_row_factor = 3.0;
 
-enum class ids_kind {
-  softmax,      // reference top-k of random logits
-  one_expert,   // every token on the same k experts (k = 1: all tokens on one expert)
-  filtered,     // about a quarter of the slots -1, and the middle token entirely
-  few_experts,  // only every fourth expert receives tokens
-};
-
-struct shape {
-  int m, e, k, h, i;
-};
-
-struct options {
-  mr::activation_kind act = mr::activation_kind::silu;
-  float limit = 7.0f;  // swiglu_clamped
-  ids_kind ids = ids_kind::softmax;
-  bool gated = true;
-  bool no_combine = false;
-  bool weight_on_input = false;
-  bool inplace = false;
-  float scaling = 1.0f;
-  bool scaling_in_weights = false;
-  int nan_token = -1;  // puts a NaN into this token's input
-};
-
 std::string describe(const shape& s, mr::dtype t, const options& o, tuning tu, bool deterministic) {
-  return "M=" + std::to_string(s.m) + " E=" + std::to_string(s.e) + " k=" + std::to_string(s.k) +
-         " H=" + std::to_string(s.h) + " I=" + std::to_string(s.i) + " " + std::string(mr::dtype_name(t)) + " " +
-         std::string(mr::activation_name(o.act)) + " ids=" + std::to_string(static_cast<int>(o.ids)) +
-         (o.gated ? "" : " ungated") + (o.no_combine ? " no_combine" : "") +
-         (o.weight_on_input ? " weight_on_input" : "") + (o.inplace ? " inplace" : "") +
-         " scaling=" + std::to_string(o.scaling) + (o.scaling_in_weights ? " (in weights)" : "") +
-         (o.nan_token >= 0 ? " nan_token=" + std::to_string(o.nan_token) : "") + " tuning=" +
-         std::string(mr::gpu::gemm_tuning_name(tu)) + (deterministic ? " deterministic" : " atomic combine");
+  return mr::test::describe(s, t, o) + " tuning=" + std::string(mr::gpu::gemm_tuning_name(tu)) +
+         (deterministic ? " deterministic" : " atomic combine");
 }
 
-// A random problem on the host with its reference output.
-struct problem {
-  shape s;
-  mr::dtype type;
-  options opt;
-  mr::MoeRunnerConfig cfg;
-  host_tensor x, w13, w2, weights, ids, ref;
-
-  problem(const shape& sh, mr::dtype t, const options& o, std::mt19937& rng)
-      : s(sh),
-        type(t),
-        opt(o),
-        cfg(mr::moe_config_params{.num_experts = sh.e,
-                                  .hidden_size = sh.h,
-                                  .intermediate_size = sh.i,
-                                  .top_k = sh.k,
-                                  .act = {.kind = o.act, .limit = o.limit},
-                                  .is_gated = o.gated,
-                                  .apply_router_weight_on_input = o.weight_on_input,
-                                  .routed_scaling_factor = o.scaling,
-                                  .no_combine = o.no_combine,
-                                  .inplace = o.inplace}),
-        x(t, {sh.m, sh.h}),
-        w13(t, {sh.e, cfg.w13_rows(), sh.h}),
-        w2(t, {sh.e, sh.h, sh.i}),
-        weights(mr::dtype::f32, {sh.m, sh.k}),
-        ids(mr::dtype::i32, {sh.m, sh.k}) {
-    // Scales keep every stage O(1), so relative errors mean the same at any H and I.
-    mr::test::fill_random(x, rng, 1.0f);
-    mr::test::fill_random(w13, rng, 2.0f / std::sqrt(static_cast<float>(sh.h)));
-    mr::test::fill_random(w2, rng, 2.0f / std::sqrt(static_cast<float>(sh.i)));
-    if (o.nan_token >= 0) mr::test::set_element(x.view, static_cast<std::int64_t>(o.nan_token) * sh.h + sh.h / 3, NAN);
-    route(rng);
-    ref = o.no_combine ? host_tensor(t, {sh.m, sh.k, sh.h}) : host_tensor(t, {sh.m, sh.h});
-    runner_t runner("reference", cfg);
-    if (o.inplace) {
-      host_tensor xin = x;
-      runner.run(mr::DispatchOutput{xin.view, {}, topk(weights.view, ids.view)},
-                 mr::unquantized_quant_info{w13.view, w2.view}, xin.view, {}, {});
-      std::memcpy(ref.view.data, xin.view.data, ref.view.bytes());
-    } else {
-      runner.run(mr::DispatchOutput{x.view, {}, topk(weights.view, ids.view)},
-                 mr::unquantized_quant_info{w13.view, w2.view}, ref.view, {}, {});
-    }
-  }
-
-  mr::TopKOutput topk(const mr::tensor_view& w, const mr::tensor_view& i) const {
-    return {w, i, opt.scaling_in_weights};
-  }
-
-  void route(std::mt19937& rng) {
-    host_tensor logits(mr::dtype::f32, {s.m, s.e});
-    mr::test::fill_random(logits, rng, 4.0f);
-    mr::topk_config tc{.top_k = s.k,
-                       .routed_scaling_factor = opt.scaling,
-                       .apply_routed_scaling_factor_on_weights = opt.scaling_in_weights};
-    mr::TopKOutput out{weights.view, ids.view};
-    mr::reference::topk(logits.view, nullptr, tc, out);
-    auto* id = ids.view.ptr<std::int32_t>();
-    const std::int64_t slots = static_cast<std::int64_t>(s.m) * s.k;
-    std::uniform_int_distribution<int> quarter(0, 3);
-    switch (opt.ids) {
-      case ids_kind::softmax: break;
-      case ids_kind::one_expert:
-        for (std::int64_t q = 0; q < slots; ++q) id[q] = (s.e / 2 + static_cast<int>(q % s.k)) % s.e;
-        break;
-      case ids_kind::filtered:
-        for (std::int64_t q = 0; q < slots; ++q)
-          if (quarter(rng) == 0 || q / s.k == s.m / 2) id[q] = -1;
-        break;
-      case ids_kind::few_experts:
-        for (std::int64_t q = 0; q < slots; ++q) id[q] = id[q] / 4 * 4;
-        break;
-    }
-  }
+// cuda_fused's launch-order settings (defaults: the tuning's).
+struct launch_settings {
+  int raster_band = 0;
+  bool dependent_launch = false;
 };
 
-// Device copies of a problem and a runner that picked cuda_fused, with its workspace.
-struct on_device {
-  device_tensor x, w13, w2, weights, ids;
-  device_buffer out_buf, ws_buf;
-  mr::tensor_view out;
-  std::optional<runner_t> runner;
-  mr::workspace_view ws;
+mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
+  mr::moe_config_params params = cfg.params();
+  params.deterministic = deterministic;
+  return mr::MoeRunnerConfig(params);
+}
 
-  on_device(const problem& p, tuning tu, bool deterministic, std::size_t ws_misalign = 0, int raster_band = 0,
-            bool dependent_launch = false)
-      : x(p.x), w13(p.w13), w2(p.w2), weights(p.weights), ids(p.ids) {
-    mr::moe_config_params params = p.cfg.params();
-    params.deterministic = deterministic;
-    runner.emplace("cuda_fused", mr::MoeRunnerConfig(params));
+// The problem on the device with a runner that picked cuda_fused, its GEMM tuning forced.
+struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
+  on_device(const problem& p, tuning tu, bool deterministic, std::size_t ws_misalign = 0,
+            const launch_settings& ls = {})
+      : moe_on_device(p, with_deterministic(p.cfg, deterministic), ws_misalign) {
     REQUIRE(runner->runner_backend().is_cuda_fused());
     runner->visit([&](auto& core) {
       if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>) {
         core.set_gemm_tuning(tu);
-        core.set_raster_band(raster_band);
-        core.set_dependent_launch(dependent_launch);
+        core.set_raster_band(ls.raster_band);
+        core.set_dependent_launch(ls.dependent_launch);
       }
     });
-    if (p.opt.inplace) {
-      out = x.view;
-    } else {
-      out_buf = device_buffer(p.ref.view.bytes());
-      out = p.ref.view;
-      out.data = out_buf.get();
-      out.space = mr::memory_space::device;
-    }
-    // Exactly the bytes asked for, starting ws_misalign bytes past an allocation boundary.
-    const std::size_t need = runner->workspace_bytes(p.s.m);
-    ws_buf = device_buffer(need + ws_misalign);
-    ws = {static_cast<char*>(ws_buf.get()) + ws_misalign, need};
-  }
-
-  mr::DispatchOutput dispatch(const problem& p) const { return {x.view, {}, p.topk(weights.view, ids.view)}; }
-
-  void launch(const problem& p, cudaStream_t stream) {
-    runner->run(dispatch(p), mr::unquantized_quant_info{w13.view, w2.view}, out, ws, cuda::stream_ref(stream));
-  }
-
-  void fill_out(unsigned char byte) {
-    if (out.bytes()) MOE_CUDA_CHECK(cudaMemset(out.data, byte, out.bytes()));
-  }
-
-  host_tensor result(const problem& p) const {
-    host_tensor h = p.ref;
-    if (out.bytes()) MOE_CUDA_CHECK(cudaMemcpy(h.view.data, out.data, out.bytes(), cudaMemcpyDeviceToHost));
-    return h;
   }
 };
 
@@ -259,7 +133,7 @@ void compare(const problem& p, const host_tensor& got) {
   CHECK_MESSAGE(nonzero_zero_rows == 0, nonzero_zero_rows, " rows should be exactly zero");
 }
 
-void check_case(const shape& s, mr::dtype t, const options& o = {}, int raster_band = 0, bool dependent = false) {
+void check_case(const shape& s, mr::dtype t, const options& o = {}, const launch_settings& ls = {}) {
   const unsigned seed = std::random_device{}();
   CAPTURE(seed);
   std::mt19937 rng(seed);
@@ -268,7 +142,7 @@ void check_case(const shape& s, mr::dtype t, const options& o = {}, int raster_b
     for (bool det : both_modes) {
       CAPTURE(describe(s, t, o, tu, det));
       // A workspace that is not 256-byte aligned: the policy aligns its pieces itself.
-      on_device g(p, tu, det, 8, raster_band, dependent);
+      on_device g(p, tu, det, 8, ls);
       if (!o.inplace) g.fill_out(0xff);
       MOE_CUDA_CHECK(cudaMemset(g.ws_buf.get(), 0xff, g.ws_buf.bytes()));  // nothing may rely on zeroed scratch
       g.launch(p, nullptr);
@@ -310,8 +184,8 @@ TEST_CASE("cuda_fused matches the reference: routing shapes") {
   for (mr::dtype t : both_types) {
     check_case({1000, 8, 1, odd_h, odd_i}, t, {.ids = ids_kind::one_expert});  // 8 M tiles of one expert
     check_case({300, 8, 2, odd_h, odd_i}, t, {.ids = ids_kind::one_expert});
-    check_case({1000, 64, 8, odd_h, odd_i}, t, {.ids = ids_kind::filtered});
-    check_case({7, 8, 2, odd_h, odd_i}, t, {.ids = ids_kind::filtered});
+    check_case({1000, 64, 8, odd_h, odd_i}, t, {.ids = ids_kind::random_filtered});
+    check_case({7, 8, 2, odd_h, odd_i}, t, {.ids = ids_kind::random_filtered});
     check_case({300, 64, 2, odd_h, odd_i}, t, {.ids = ids_kind::few_experts});
   }
 }
@@ -331,7 +205,7 @@ TEST_CASE("cuda_fused matches the reference: decode, K split over CTAs") {
   for (mr::dtype t : both_types) {
     check_case({1, 8, 2, 520, 2048}, t);
     check_case({3, 16, 4, 264, 1032}, t);
-    check_case({2, 8, 2, 520, 2048}, t, {.ids = ids_kind::filtered});
+    check_case({2, 8, 2, 520, 2048}, t, {.ids = ids_kind::random_filtered});
     check_case({1, 8, 2, 520, 2048}, t, {.scaling = 2.5f});
     check_case({4, 8, 2, 520, 2048}, t, {.inplace = true});
   }
@@ -342,17 +216,19 @@ TEST_CASE("cuda_fused matches the reference: raster bands forced") {
   // default 8 in another order.
   for (int band : {1, 3}) {
     CAPTURE(band);
-    check_case({1000, 8, 1, odd_h, odd_i}, mr::dtype::bf16, {.ids = ids_kind::one_expert}, band);
-    check_case({1000, 64, 8, odd_h, odd_i}, mr::dtype::bf16, {}, band);
-    check_case({300, 8, 2, 520, 264}, mr::dtype::f16, {.ids = ids_kind::filtered}, band);
-    check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, band);
+    const launch_settings ls{.raster_band = band};
+    check_case({1000, 8, 1, odd_h, odd_i}, mr::dtype::bf16, {.ids = ids_kind::one_expert}, ls);
+    check_case({1000, 64, 8, odd_h, odd_i}, mr::dtype::bf16, {}, ls);
+    check_case({300, 8, 2, 520, 264}, mr::dtype::f16, {.ids = ids_kind::random_filtered}, ls);
+    check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, ls);
   }
 }
 
 TEST_CASE("cuda_fused matches the reference: programmatic dependent launches") {
-  check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, 0, true);
-  check_case({1000, 64, 8, odd_h, odd_i}, mr::dtype::bf16, {}, 0, true);
-  check_case({5000, 8, 1, odd_h, odd_i}, mr::dtype::f16, {.ids = ids_kind::filtered}, 0, true);  // plan in 3 launches
+  const launch_settings pdl{.dependent_launch = true};
+  check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, pdl);
+  check_case({1000, 64, 8, odd_h, odd_i}, mr::dtype::bf16, {}, pdl);
+  check_case({5000, 8, 1, odd_h, odd_i}, mr::dtype::f16, {.ids = ids_kind::random_filtered}, pdl);  // plan in 3 launches
 }
 
 TEST_CASE("cuda_fused matches the reference: activations") {
@@ -369,7 +245,7 @@ TEST_CASE("cuda_fused matches the reference: activations") {
 TEST_CASE("cuda_fused matches the reference: router weight, scaling, combine modes") {
   for (mr::dtype t : both_types) {
     check_case({33, 8, 2, odd_h, odd_i}, t, {.no_combine = true});
-    check_case({33, 8, 2, odd_h, odd_i}, t, {.ids = ids_kind::filtered, .no_combine = true, .scaling = 2.5f});
+    check_case({33, 8, 2, odd_h, odd_i}, t, {.ids = ids_kind::random_filtered, .no_combine = true, .scaling = 2.5f});
     check_case({100, 8, 2, odd_h, odd_i}, t, {.scaling = 2.5f});
     check_case({100, 8, 2, odd_h, odd_i}, t, {.scaling = 2.5f, .scaling_in_weights = true});
     check_case({100, 8, 1, odd_h, odd_i}, t, {.weight_on_input = true});
