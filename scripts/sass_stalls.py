@@ -25,26 +25,26 @@ def main() -> None:
     header = next(i for i, r in enumerate(rows) if "Address" in r and "Source" in r)
     names, data = rows[header], rows[header + 1:]
     col = {n: i for i, n in enumerate(names)}
-    samples = col["Warp Stall Sampling (All Samples)"]
+    samples = "Warp Stall Sampling (All Samples)"
     reasons = [n for n in names if n.startswith("stall_") and "Not Issued" not in n]
 
     def count(row, name):
         v = row[col[name]] if name in col else ""
         return int(v.replace(",", "")) if v.strip() else 0
 
-    total = sum(count(r, names[samples]) for r in data) or 1
+    total = sum(count(r, samples) for r in data) or 1
     by_reason = collections.Counter()
     for r in data:
         for n in reasons:
             by_reason[n] += count(r, n)
     print(f"{len(data)} instructions, {total} samples")
     print("  ".join(f"{n[6:]} {100 * v / total:.1f}%" for n, v in by_reason.most_common(10)))
-    top = sorted(range(len(data)), key=lambda i: -count(data[i], names[samples]))[: args.top]
+    top = sorted(range(len(data)), key=lambda i: -count(data[i], samples))[: args.top]
     for i in top:
         r = data[i]
         main_reasons = sorted(((count(r, n), n[6:]) for n in reasons), reverse=True)[:3]
         why = ", ".join(f"{n} {v}" for v, n in main_reasons if v)
-        print(f"{i:6d} {100 * count(r, names[samples]) / total:5.1f}%  exec {count(r, 'Instructions Executed'):>10}  "
+        print(f"{i:6d} {100 * count(r, samples) / total:5.1f}%  exec {count(r, 'Instructions Executed'):>10}  "
               f"{r[col['Source']].strip()[:64]:64s}  {why}")
 
 

@@ -6,10 +6,7 @@
 
 #include <cmath>
 #include <cstring>
-#include <optional>
 #include <random>
-#include <string>
-#include <vector>
 
 #include "gpu_test_util.hpp"
 #include "moe_problem.hpp"
@@ -18,8 +15,6 @@
 #include "moerunner/policies/cuda_fused_policy.cuh"
 
 namespace mr = moerunner;
-using mr::test::device_buffer;
-using mr::test::device_tensor;
 using mr::test::host_tensor;
 
 namespace {

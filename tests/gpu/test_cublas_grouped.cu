@@ -6,8 +6,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -20,7 +18,6 @@
 
 namespace mr = moerunner;
 using mr::test::device_buffer;
-using mr::test::device_tensor;
 using mr::test::host_tensor;
 
 namespace {

@@ -29,7 +29,6 @@
 
 namespace mr = moerunner;
 using mr::test::device_buffer;
-using mr::test::device_tensor;
 using mr::test::host_tensor;
 
 namespace {
