@@ -98,6 +98,7 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_m64", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m64, false, false},
     {"cuda_fused_m64n128", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m64n128, false, false},
     {"cuda_fused_m128", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m128, false, false},
+    {"cuda_fused_m128x2", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m128x2, false, false},
     {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
     {"cuda_fused_pdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, true},
 };
@@ -395,7 +396,7 @@ routing_times routing_ms(const shape_desc& sh, const routing_set& r, std::int64_
   int sm_count = 0;
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
   // The tile rows cuda_fused picks on sm_90a code.
-  const int block_m = mr::gpu::wgmma_block_m(mr::gpu::wgmma_tile_for(m * sh.k, sh.e, sh.i, sm_count));
+  const int block_m = mr::gpu::wgmma_schedule_block_m(mr::gpu::wgmma_tile_for(m * sh.k, sh.e, sh.i, sm_count));
   const std::size_t schedule_bytes = mr::gpu::tile_schedule_bytes(m * sh.k, sh.e, block_m);
   dbuf plan_ws(plan_bytes), schedule_ws(schedule_bytes);
   const auto plan = [&](cudaStream_t cs) {

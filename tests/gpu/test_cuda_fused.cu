@@ -84,7 +84,8 @@ std::vector<tuning> tunings() {
   std::vector<tuning> t = {tuning::automatic};
   if (dev.code_arch >= 90) t.push_back(tuning::sm80);
   if (mr::gpu::wgmma_gemm_available(dev))
-    t.insert(t.end(), {tuning::sm90, tuning::sm90_wgmma_m64, tuning::sm90_wgmma_m64n128, tuning::sm90_wgmma_m128});
+    t.insert(t.end(), {tuning::sm90, tuning::sm90_wgmma_m64, tuning::sm90_wgmma_m64n128, tuning::sm90_wgmma_m128,
+                       tuning::sm90_wgmma_m128x2});
   return t;
 }
 

@@ -21,6 +21,7 @@ struct grouped_gemm_tuning {
   int raster_band;  // M tiles that walk the N tiles together (see decode_work_item)
 
   constexpr int threads() const { return 32 * warps_m * warps_n; }
+  constexpr int schedule_block_m() const { return block_m; }  // rows of one M tile of the schedule
   constexpr int warp_tile_m() const { return block_m / warps_m; }
   constexpr int warp_tile_n() const { return block_n / warps_n; }
   // 16-bit elements only (bf16 / f16); the A and B tiles of every stage.
@@ -84,8 +85,12 @@ struct wgmma_gemm_tuning {
   int producer_lag;         // K tiles of A copies a producer thread keeps in flight before it signals
   int min_arch;
   int raster_band;          // M tiles that walk the N tiles together (see decode_work_item)
+  int cluster_m = 1;        // CTAs of a cluster, each on block_m rows of one schedule tile, that
+                            // share the weight tile by TMA multicast (1 or 2)
 
   constexpr int threads() const { return 128 * (1 + consumer_warpgroups); }
+  // A schedule tile spans the cluster: its CTAs take consecutive block_m-row parts of it.
+  constexpr int schedule_block_m() const { return block_m * cluster_m; }
   constexpr int stage_bytes() const { return (block_m + block_n) * block_k * 2; }
   // The ring, plus slack to align it to the 1024 bytes a 128-byte swizzle pattern repeats over.
   constexpr int smem_bytes() const { return stages * stage_bytes() + 1024; }
@@ -106,6 +111,10 @@ consteval bool check_wgmma_gemm_tuning(wgmma_gemm_tuning t) {
   if (t.smem_bytes() > 227 * 1024) throw "the ring does not fit in shared memory";
   if (t.min_arch != 90) throw "wgmma needs sm_90a";
   if (t.raster_band < 1) throw "raster_band must be positive";
+  if (t.cluster_m != 1 && t.cluster_m != 2) throw "cluster_m must be 1 or 2";
+  // Each CTA of a pair issues one of the two weight boxes to both; a 64-row tile's warpgroups
+  // split the B rows differently.
+  if (t.cluster_m == 2 && t.block_m != 128) throw "2-CTA clusters are written for 128-row tiles";
   return true;
 }
 
@@ -120,6 +129,21 @@ struct sm90_wgmma_gemm_policy {
                                             .producer_lag = 2,
                                             .min_arch = 90,
                                             .raster_band = 8};
+};
+// The 128-row tile in clusters of two CTAs on the two 128-row halves of a 256-row schedule
+// tile (one expert): each CTA loads half of the stage's weight tile from L2 and multicasts it
+// to both, so a CTA draws 32 KB per K tile instead of 48 (16 KB of A rows, 16 of B). Both GEMMs
+// draw L2 at the same rate, whose 48 KB per K tile kept the 128-row tile at ~610 TFLOP/s.
+struct sm90_wgmma_m128x2_gemm_policy {
+  static constexpr wgmma_gemm_tuning tuning{.block_m = 128,
+                                            .block_n = 256,
+                                            .block_k = 64,
+                                            .consumer_warpgroups = 2,
+                                            .stages = 4,
+                                            .producer_lag = 2,
+                                            .min_arch = 90,
+                                            .raster_band = 4,  // 4 x 256 rows: the 128-row tile's band
+                                            .cluster_m = 2};
 };
 // Tiles of 64 rows, for experts that see few rows, where the GEMMs stream weights: two
 // warpgroups share the rows and split the B rows (each runs half the wgmma work of one
@@ -147,6 +171,7 @@ struct sm90_wgmma_m64n128_gemm_policy {
                                             .raster_band = 8};
 };
 static_assert(check_wgmma_gemm_tuning(sm90_wgmma_gemm_policy::tuning));
+static_assert(check_wgmma_gemm_tuning(sm90_wgmma_m128x2_gemm_policy::tuning));
 static_assert(check_wgmma_gemm_tuning(sm90_wgmma_m64_gemm_policy::tuning));
 static_assert(check_wgmma_gemm_tuning(sm90_wgmma_m64n128_gemm_policy::tuning));
 static_assert(sm90_wgmma_gemm_policy::tuning.block_m == moe_gemm_block_m);
@@ -154,22 +179,34 @@ static_assert(sm90_wgmma_gemm_policy::tuning.block_m == moe_gemm_block_m);
 inline constexpr int moe_gemm_min_block_m = sm90_wgmma_m64_gemm_policy::tuning.block_m;
 
 // The wgmma tile for `rows` routed rows over `num_experts` experts: 64 rows when an active
-// expert averages at most 64 rows (decode; prefill over many experts), else 128; and 64 x 128
-// when GEMM1's 64 x 256 items (at most one M tile per active expert, I/128 N tiles) fill at
-// most half the SMs (measured: Qwen3-30B-A3B at one token, 48 items, 7% faster; DeepSeek-V3,
-// 128 items, 7% slower). A function of the shape only, so that the workspace query and the run
-// agree.
-enum class wgmma_tile : std::uint8_t { m64, m64n128, m128 };
+// expert averages at most 64 rows (decode; prefill over many experts); 128-row tiles in 2-CTA
+// clusters when it averages at least 256 (a 256-row schedule tile then seldom leaves one CTA
+// of the pair without rows), single 128-row tiles between; and 64 x 128 when GEMM1's 64 x 256
+// items (at most one M tile per active expert, I/128 N tiles) fill at most half the SMs
+// (measured: Qwen3-30B-A3B at one token, 48 items, 7% faster; DeepSeek-V3, 128 items, 7%
+// slower). A function of the shape only, so that the workspace query and the run agree.
+enum class wgmma_tile : std::uint8_t { m64, m64n128, m128, m128x2 };
 
 constexpr wgmma_tile wgmma_tile_for(std::int64_t rows, int num_experts, int intermediate_size, int sm_count) {
   const std::int64_t active = rows < num_experts ? rows : num_experts;
+  if (rows >= 256 * active) return wgmma_tile::m128x2;
   if (rows > 64 * active) return wgmma_tile::m128;
   const std::int64_t gemm1_items = active * ((intermediate_size + 127) / 128);
   return 2 * gemm1_items <= sm_count ? wgmma_tile::m64n128 : wgmma_tile::m64;
 }
 
-constexpr int wgmma_block_m(wgmma_tile t) {
-  return t == wgmma_tile::m128 ? sm90_wgmma_gemm_policy::tuning.block_m : sm90_wgmma_m64_gemm_policy::tuning.block_m;
+// Rows of one tile of the M-tile schedule the tile walks (a 2-CTA cluster shares one).
+constexpr int wgmma_schedule_block_m(wgmma_tile t) {
+  switch (t) {
+    case wgmma_tile::m128: return sm90_wgmma_gemm_policy::tuning.schedule_block_m();
+    case wgmma_tile::m128x2: return sm90_wgmma_m128x2_gemm_policy::tuning.schedule_block_m();
+    default: return sm90_wgmma_m64_gemm_policy::tuning.schedule_block_m();
+  }
+}
+
+// CTAs that run one work item together.
+constexpr int wgmma_cluster_m(wgmma_tile t) {
+  return t == wgmma_tile::m128x2 ? sm90_wgmma_m128x2_gemm_policy::tuning.cluster_m : 1;
 }
 
 constexpr int wgmma_block_n(wgmma_tile t) {
@@ -178,7 +215,8 @@ constexpr int wgmma_block_n(wgmma_tile t) {
 }
 
 // Which tuning a run uses: the selector's choice for the device, or one forced (tests, benchmarks).
-// sm90_wgmma picks its tile by shape (wgmma_tile_for); the _m64, _m64n128 and _m128 forms force one.
+// sm90_wgmma picks its tile by shape (wgmma_tile_for); the _m64, _m64n128, _m128 and _m128x2
+// forms force one.
 enum class gemm_tuning_choice : std::uint8_t {
   automatic,
   sm80,
@@ -186,7 +224,8 @@ enum class gemm_tuning_choice : std::uint8_t {
   sm90_wgmma,
   sm90_wgmma_m64,
   sm90_wgmma_m64n128,
-  sm90_wgmma_m128
+  sm90_wgmma_m128,
+  sm90_wgmma_m128x2
 };
 
 constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
@@ -198,6 +237,7 @@ constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
     case gemm_tuning_choice::sm90_wgmma_m64: return "sm90_wgmma_m64";
     case gemm_tuning_choice::sm90_wgmma_m64n128: return "sm90_wgmma_m64n128";
     case gemm_tuning_choice::sm90_wgmma_m128: return "sm90_wgmma_m128";
+    case gemm_tuning_choice::sm90_wgmma_m128x2: return "sm90_wgmma_m128x2";
   }
   return "?";
 }
@@ -214,7 +254,8 @@ constexpr gemm_tuning_choice select_gemm_tuning(int code_arch, bool has_wgmma) {
 // Whether a choice runs the wgmma kernels (one of their tiles, or the one picked by shape).
 constexpr bool is_wgmma_choice(gemm_tuning_choice c) {
   return c == gemm_tuning_choice::sm90_wgmma || c == gemm_tuning_choice::sm90_wgmma_m64 ||
-         c == gemm_tuning_choice::sm90_wgmma_m64n128 || c == gemm_tuning_choice::sm90_wgmma_m128;
+         c == gemm_tuning_choice::sm90_wgmma_m64n128 || c == gemm_tuning_choice::sm90_wgmma_m128 ||
+         c == gemm_tuning_choice::sm90_wgmma_m128x2;
 }
 
 constexpr int gemm_tuning_min_arch(gemm_tuning_choice c) {

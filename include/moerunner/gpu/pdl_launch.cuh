@@ -35,21 +35,52 @@ inline bool device_has_pdl() {
   return major >= 9;
 }
 
+// The launch configuration with its attributes: programmatic serialization when `dependent`
+// and the device has it, and clusters of cluster_x CTAs along x when cluster_x > 1.
+struct launch_config {
+  cudaLaunchConfig_t config{};
+  std::array<cudaLaunchAttribute, 2> attrs{};
+
+  launch_config(dim3 grid, dim3 block, std::size_t smem_bytes, cudaStream_t stream, bool dependent,
+                unsigned cluster_x = 1) {
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    unsigned n = 0;
+    if (dependent && device_has_pdl()) {
+      attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attrs[n].val.programmaticStreamSerializationAllowed = 1;
+      ++n;
+    }
+    if (cluster_x > 1) {
+      attrs[n].id = cudaLaunchAttributeClusterDimension;
+      attrs[n].val.clusterDim.x = cluster_x;
+      attrs[n].val.clusterDim.y = 1;
+      attrs[n].val.clusterDim.z = 1;
+      ++n;
+    }
+    config.attrs = attrs.data();
+    config.numAttrs = n;
+  }
+  launch_config(const launch_config&) = delete;  // config.attrs points into this object
+  launch_config& operator=(const launch_config&) = delete;
+};
+
 // `dependent` false makes it a plain launch.
 template <class... Params, class... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes, cudaStream_t stream,
                       bool dependent, Args&&... args) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  config.attrs = &attr;
-  config.numAttrs = dependent && device_has_pdl() ? 1 : 0;
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  const launch_config c(grid, block, smem_bytes, stream, dependent);
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&c.config, kernel, std::forward<Args>(args)...));
+}
+
+// As launch_dependent, in clusters of cluster_x CTAs along x (the grid a multiple of it).
+template <class... Params, class... Args>
+void launch_dependent_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
+                               cudaStream_t stream, bool dependent, unsigned cluster_x, Args&&... args) {
+  const launch_config c(grid, block, smem_bytes, stream, dependent, cluster_x);
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&c.config, kernel, std::forward<Args>(args)...));
 }
 
 }  // namespace moerunner::gpu

@@ -1,8 +1,8 @@
 // Host launch code of the fused backend's Hopper wgmma grouped GEMMs (the opt-in
 // sm90_wgmma tuning): encodes the weights' TMA descriptor for each launch (a host-only
 // call, no stream work, so a run stays graph-capturable), checks that the device runs
-// sm_90a code, and launches one persistent CTA per SM over the same M-tile schedule as
-// the mma.sync kernels.
+// sm_90a code, and launches one persistent CTA per SM (or 2-CTA cluster per SM pair) over
+// an M-tile schedule built as for the mma.sync kernels.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -93,21 +93,36 @@ inline bool wgmma_gemm_available(const device_facts& dev) {
   return ok;
 }
 
-// Raises the kernel's dynamic shared memory limit on the device (once) and checks that a CTA fits.
+// Raises the kernel's dynamic shared memory limit on the device (once), checks that a CTA
+// (a cluster of cluster_m CTAs) fits, and returns how many clusters run at once on the device,
+// sm_count for single CTAs; a cluster needs its CTAs on SMs of one GPC, which may leave some
+// SMs out.
 template <class T, class Policy, kernels::moe_gemm_kind Kind>
-void prepare_wgmma_gemm(int device) {
+int prepare_wgmma_gemm(const device_facts& dev) {
   constexpr wgmma_gemm_tuning tuning = Policy::tuning;
+  constexpr const char* where = "gpu::launch_moe_gemm_wgmma";
   constexpr int cached_devices = 64;
-  static std::array<std::atomic<bool>, cached_devices> done{};
-  if (device >= 0 && device < cached_devices && done[device].load(std::memory_order_relaxed)) return;
+  static std::array<std::atomic<int>, cached_devices> places{};  // 0: not prepared yet
+  const bool cached = dev.device >= 0 && dev.device < cached_devices;
+  if (cached) {
+    if (const int n = places[dev.device].load(std::memory_order_relaxed); n > 0) return n;
+  }
   const auto kernel = kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind>;
   MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tuning.smem_bytes()));
   int n = 0;
-  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, tuning.threads(), tuning.smem_bytes()));
-  MOE_EXPECT(n > 0, "gpu::launch_moe_gemm_wgmma",
+  if constexpr (tuning.cluster_m == 1) {
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, tuning.threads(), tuning.smem_bytes()));
+    n = n > 0 ? dev.sm_count : 0;
+  } else {
+    const launch_config c(dim3(tuning.cluster_m * dev.sm_count), dim3(tuning.threads()), tuning.smem_bytes(), nullptr,
+                          false, tuning.cluster_m);
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &c.config));
+  }
+  MOE_EXPECT(n > 0, where,
              "the wgmma GEMM does not fit on this device (" + std::to_string(tuning.smem_bytes()) +
-                 " bytes of shared memory per CTA)");
-  if (device >= 0 && device < cached_devices) done[device].store(true, std::memory_order_relaxed);
+                 " bytes of shared memory per CTA, clusters of " + std::to_string(tuning.cluster_m) + ")");
+  if (cached) places[dev.device].store(n, std::memory_order_relaxed);
+  return n;
 }
 
 // K splits for the wgmma GEMM2 (n = H columns in items of `cols`, k = I) over a schedule of
@@ -137,15 +152,16 @@ inline int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_cou
 }
 
 // Launches one grouped GEMM of a wgmma tuning (Policy: sm90_wgmma_gemm_policy,
-// sm90_wgmma_m64_gemm_policy or sm90_wgmma_m64n128_gemm_policy, whose block_m the schedule
-// must have been built for); `p.tiles`, `p.tile_count` and `p.n_tiles` are filled here from
+// sm90_wgmma_m128x2_gemm_policy, sm90_wgmma_m64_gemm_policy or sm90_wgmma_m64n128_gemm_policy,
+// whose schedule_block_m the schedule must have been built for); `p.tiles`, `p.tile_count` and `p.n_tiles` are filled here from
 // `schedule`, as launch_moe_gemm does.
 template <class T, kernels::moe_gemm_kind Kind, class Policy = sm90_wgmma_gemm_policy>
 void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const tile_schedule& schedule,
                            const device_facts& dev, cudaStream_t stream, bool dependent_launch = false) {
   constexpr const char* where = "gpu::launch_moe_gemm_wgmma";
   constexpr wgmma_gemm_tuning tuning = Policy::tuning;
-  MOE_EXPECT(schedule.block_m == tuning.block_m, where, "the tile schedule was built for another block_m");
+  MOE_EXPECT(schedule.block_m == tuning.schedule_block_m(), where,
+             "the tile schedule was built for another block_m (a cluster's CTAs share one schedule tile)");
   if (!wgmma_gemm_available(dev))
     throw unsupported_error(std::string(where) + ": the sm90_wgmma tuning needs code compiled for sm_90a; this device (sm_" +
                             std::to_string(dev.arch) + ") runs code compiled for sm_" + std::to_string(dev.code_arch) +
@@ -155,7 +171,7 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   if (schedule.capacity == 0) return;
   const CUtensorMap map =
       weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts, tuning.block_n / 2);
-  prepare_wgmma_gemm<T, Policy, Kind>(dev.device);
+  const int places = prepare_wgmma_gemm<T, Policy, Kind>(dev);
   constexpr int cols = kernels::moe_gemm_wgmma<T, Policy, Kind>::out_cols;
   const std::int64_t n_tiles = (p.n + cols - 1) / cols;
   const int k_splits = p.k_splits;
@@ -166,14 +182,20 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
                         std::to_string(k_splits));
   MOE_EXPECT(p.store != kernels::down_store::partials || p.partials != nullptr, where, "partials is null");
   MOE_EXPECT(p.raster_band >= 1, where, "raster_band must be positive");
+  // One work item per cluster at a time: as many clusters as run at once, or as items.
   const std::int64_t work_bound = schedule.capacity * n_tiles * k_splits;
-  const auto grid = static_cast<unsigned>(std::min<std::int64_t>({work_bound, dev.sm_count, 0x7fffffff}));
+  const std::int64_t clusters = std::min<std::int64_t>({work_bound, places, 0x7fffffff / tuning.cluster_m});
   p.tiles = schedule.tiles;
   p.tile_count = schedule.count;
   p.n_tiles = static_cast<int>(n_tiles);
   // The CTAs may start (barrier set-up, descriptor prefetch) while the previous kernel drains.
-  launch_dependent(kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind>, dim3(grid), dim3(tuning.threads()),
-                   tuning.smem_bytes(), stream, dependent_launch, p, map);
+  const dim3 grid(static_cast<unsigned>(clusters * tuning.cluster_m));
+  if constexpr (tuning.cluster_m == 1)
+    launch_dependent(kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind>, grid, dim3(tuning.threads()),
+                     tuning.smem_bytes(), stream, dependent_launch, p, map);
+  else
+    launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind>, grid, dim3(tuning.threads()),
+                              tuning.smem_bytes(), stream, dependent_launch, tuning.cluster_m, p, map);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_kernel");
 }
 

@@ -19,6 +19,17 @@
 // Stage hand-off uses mbarriers: full[s] completes when the 128 producer threads have arrived
 // (each after its copies landed and were fenced for the async proxy) and the TMA bytes came;
 // empty[s] completes when every consumer warp's wgmma reading stage s has retired.
+//
+// Clusters of two (cluster_m = 2): the pair walks the same work items, each of a 256-row
+// schedule tile (one expert), CTA rank r on rows [128 r, 128 r + 128) of it. Per stage, rank r's
+// producer loads weight box r only and multicasts it into both CTAs' rings at the same offset,
+// signalling both CTAs' full[s] (each still expects the whole B tile's bytes). So the peer
+// writes into a CTA's stage s: empty[s] of each CTA counts the consumer warps of both, each
+// consumer warp arriving on its own and on the peer's, and neither producer refills s before
+// both CTAs have read it. Both CTAs run every K tile of every item (a CTA whose half of the tile
+// has no rows keeps the protocol with idle consumers), so their stage counters stay in step.
+// Cluster barriers after the barriers' set-up and before exit keep either CTA from touching the
+// other's shared memory outside its lifetime.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -179,6 +190,29 @@ __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, std::uint32_t 
   }
 }
 
+// Arrives (release, cluster scope) on the mbarrier at `bar`'s offset in the shared memory of
+// the cluster's CTA `rank`.
+__device__ __forceinline__ void mbarrier_arrive_cluster(std::uint64_t* bar, std::uint32_t rank) {
+#if MOERUNNER_WGMMA_COMPILED
+  asm volatile(
+      "{\n.reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_address(bar)),
+      "r"(rank)
+      : "memory");
+#else
+  (void)bar, (void)rank;
+#endif
+}
+
+// Every thread of every CTA of the cluster: arrive, then wait for all (release / acquire).
+__device__ __forceinline__ void cluster_sync() {
+#if MOERUNNER_WGMMA_COMPILED
+  cuda::ptx::barrier_cluster_arrive(cuda::ptx::sem_release);
+  cuda::ptx::barrier_cluster_wait();
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // The kernel
 
@@ -187,6 +221,7 @@ struct moe_gemm_wgmma {
   static constexpr gpu::wgmma_gemm_tuning tuning = Policy::tuning;
   static constexpr int bm = tuning.block_m, bn = tuning.block_n, bk = tuning.block_k, stages = tuning.stages;
   static constexpr int consumers = tuning.consumer_warpgroups;
+  static constexpr int cluster = tuning.cluster_m;
   // 64-row tiles: each warpgroup takes all 64 A rows and 128 of the B rows, as two 64-row
   // blocks, rather than 64 A rows and all 256 B rows.
   static constexpr bool split_n = bm == 64 && bn == 128 * consumers;
@@ -216,18 +251,53 @@ struct moe_gemm_wgmma {
     std::uint64_t empty[stages];
   };
 
+  // The CTA's place in its cluster and the cluster's in the grid; work items go to clusters.
+  struct cta_place {
+    int rank;      // in the cluster
+    int first;     // first work item: the cluster's index
+    int stride;    // clusters in the grid
+  };
+
+  __device__ __forceinline__ static cta_place place() {
+    if constexpr (cluster == 1) {
+      return {0, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
+    } else {
+      // Clusters span consecutive CTAs along x, rank = blockIdx.x % cluster.
+      return {static_cast<int>(cuda::ptx::get_sreg_cluster_ctarank()), static_cast<int>(blockIdx.x) / cluster,
+              static_cast<int>(gridDim.x) / cluster};
+    }
+  }
+
+  // This CTA's rows of schedule tile t: all of them, or in a cluster its block_m-row part
+  // (possibly none: row_begin == row_end).
+  __device__ __forceinline__ static gpu::moe_m_tile cta_rows(const gpu::moe_m_tile& t, int rank) {
+    if constexpr (cluster == 1) {
+      return t;
+    } else {
+      const int begin = t.row_end - t.row_begin > rank * bm ? t.row_begin + rank * bm : t.row_end;
+      const int end = t.row_end - begin > bm ? begin + bm : t.row_end;
+      return {t.expert, begin, end, 0};
+    }
+  }
+
   // The tile's bn B rows as two boxes of the [E * halves, n, K] tensor map: for gate_up the bn/2
   // gate rows of columns n0.. (z = 2e) then the bn/2 up rows of the same columns (z = 2e + 1),
   // so the up value of a column sits bn/2 rows below its gate value; otherwise rows n0 and
   // n0 + bn/2. The map's boxes are box_rows rows (weight_tensor_map).
+  // In a cluster, rank r loads box r only, into both CTAs (same offsets, both full barriers).
   __device__ __forceinline__ static void load_b(const CUtensorMap* map, std::uint64_t* bar, unsigned char* sb,
-                                                int k0, int n0, int expert) {
+                                                int k0, int n0, int expert, int rank) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
+      if (cluster > 1 && j != rank) continue;
       const std::int32_t coords[3] = {k0, halves == 2 ? n0 : n0 + j * box_rows,
                                       halves == 2 ? 2 * expert + j : expert};
-      cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sb + j * box_rows * bk * 2,
-                                      map, coords, bar);
+      unsigned char* dst = sb + j * box_rows * bk * 2;
+      if constexpr (cluster == 1)
+        cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, map, coords, bar);
+      else
+        cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, map, coords, bar,
+                                        static_cast<std::uint16_t>((1u << cluster) - 1));
     }
   }
 
@@ -240,11 +310,12 @@ struct moe_gemm_wgmma {
     const int k_tiles = (p.k + bk - 1) / bk;
     const int tiles = *p.tile_count;
     const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles * p.k_splits;
+    const cta_place me = place();
     std::uint32_t it = 0;  // K tiles issued so far, over every work item of this CTA
-    for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+    for (std::int64_t w = me.first; w < work; w += me.stride) {
       const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, p.raster_band);
       const int n0 = item.n_tile * out_cols;
-      const gpu::moe_m_tile tile = p.tiles[item.m_tile];
+      const gpu::moe_m_tile tile = cta_rows(p.tiles[item.m_tile], me.rank);
       const int rows = tile.row_end - tile.row_begin;
       int kt_begin = 0, kt_end = 0;
       split_k_range(k_tiles, item.split, p.k_splits, kt_begin, kt_end);
@@ -264,7 +335,7 @@ struct moe_gemm_wgmma {
         if (tid == 0) {
           cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
                                                &bars.full[stage], static_cast<std::uint32_t>(b_bytes));
-          load_b(b_map, &bars.full[stage], sa + a_bytes, kt * bk, n0, tile.expert);
+          load_b(b_map, &bars.full[stage], sa + a_bytes, kt * bk, n0, tile.expert, me.rank);
         }
         const int kcol = kt * bk + ld_chunk * 8;
         const bool k_ok = kcol < p.k;  // k is a multiple of 8: a chunk is wholly in or out
@@ -272,8 +343,9 @@ struct moe_gemm_wgmma {
         for (int i = 0; i < a_passes; ++i) {
           // 64-row tiles (decode) leave rows past the tile as they are: their results are never
           // stored, and a wgmma row reads only its own A row. 128-row tiles zero them, which
-          // measured faster at prefill. Columns past k must be zeros (B's are).
-          if (split_n && a_src_row[i] < 0) continue;
+          // measured faster at prefill, unless the CTA has no rows (its consumers then idle).
+          // Columns past k must be zeros (B's are).
+          if ((split_n || rows <= 0) && a_src_row[i] < 0) continue;
           const int r = ld_row + i * rows_per_pass;
           const bool ok = k_ok && a_src_row[i] >= 0;
           const T* src = ok ? p.a + static_cast<std::int64_t>(a_src_row[i]) * p.k + kcol : p.a;
@@ -313,7 +385,14 @@ struct moe_gemm_wgmma {
       clear_output(p, static_cast<int>(threadIdx.x) - producer_threads, 128 * consumers);
     const int tiles = *p.tile_count;
     const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles * p.k_splits;
+    const cta_place me = place();
     const std::uint32_t ring_addr = smem_address(ring);
+    // A stage read by this warp's wgmma is free again for this CTA's producer and, in a
+    // cluster, for the peer's, which multicasts into it.
+    const auto release = [&](std::uint32_t stage) {
+      cuda::ptx::mbarrier_arrive(&bars.empty[stage]);
+      if constexpr (cluster == 2) mbarrier_arrive_cluster(&bars.empty[stage], static_cast<std::uint32_t>(me.rank ^ 1));
+    };
     // Rows [64 group, 64 group + 64) of the tile, or with split_n all 64 rows for every group.
     const int row_base = split_n ? 0 : 64 * group;
     std::uint32_t it = 0;
@@ -322,15 +401,15 @@ struct moe_gemm_wgmma {
     // latency kept the tensor cores idle once per item.
     moe_work_item next_item{};
     gpu::moe_m_tile next_tile{};
-    if (blockIdx.x < work) {
-      next_item = decode_work_item(blockIdx.x, tiles, p.n_tiles, p.k_splits, p.raster_band);
+    if (me.first < work) {
+      next_item = decode_work_item(me.first, tiles, p.n_tiles, p.k_splits, p.raster_band);
       next_tile = p.tiles[next_item.m_tile];
     }
-    for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+    for (std::int64_t w = me.first; w < work; w += me.stride) {
       const moe_work_item item = next_item;
-      const gpu::moe_m_tile tile = next_tile;
-      if (w + gridDim.x < work) {
-        next_item = decode_work_item(w + gridDim.x, tiles, p.n_tiles, p.k_splits, p.raster_band);
+      const gpu::moe_m_tile tile = cta_rows(next_tile, me.rank);
+      if (w + me.stride < work) {
+        next_item = decode_work_item(w + me.stride, tiles, p.n_tiles, p.k_splits, p.raster_band);
         next_tile = p.tiles[next_item.m_tile];
       }
       const int n0 = item.n_tile * out_cols;
@@ -376,12 +455,12 @@ struct moe_gemm_wgmma {
         wgmma_wait<1>();
         wgmma_fence_operands(acc0);
         wgmma_fence_operands(acc1);
-        if (kt > kt_begin && lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
+        if (kt > kt_begin && lane == 0) release((it - 1) % stages);
       }
       wgmma_wait<0>();
       wgmma_fence_operands(acc0);
       wgmma_fence_operands(acc1);
-      if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[(it - 1) % stages]);
+      if (lane == 0) release((it - 1) % stages);
       if (!active) continue;
       // Accumulator register 4j + 2h + q of a 64 x N block holds row 16 warp + lane / 4 + 8h of
       // the block and column 8j + 2(lane % 4) + q (the PTX m64nNk16 D layout).
@@ -479,12 +558,15 @@ __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
     for (int s = 0; s < tile_t::stages; ++s) {
       // Producer threads each arrive once, and thread 0 once more with the TMA byte count.
       cuda::ptx::mbarrier_init(&bars.full[s], tile_t::producer_threads + 1);
-      cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps);
+      // Every consumer warp of the cluster releases every CTA's stage (see the top).
+      cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps * tile_t::cluster);
     }
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&b_map) : "memory");
   }
-  __syncthreads();
+  // The peer CTA arrives on these barriers and multicasts into this ring: both must be set up.
+  if constexpr (tile_t::cluster > 1) cluster_sync();
+  else __syncthreads();
   // Launched as a programmatic dependent of the kernel before it (see launch_moe_gemm_wgmma):
   // the set-up above overlapped that kernel's tail; everything below reads what it wrote.
   wait_for_prior_grids();
@@ -496,6 +578,8 @@ __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
     if constexpr (tile_t::consumers > 1) setmaxnreg_inc<tile_t::consumer_regs>();
     tile_t::consumer(p, ring, bars);
   }
+  // The peer's last releases and multicasts land in this CTA's shared memory: stay until both are done.
+  if constexpr (tile_t::cluster > 1) cluster_sync();
 #else
   (void)p, (void)b_map;
   __trap();

@@ -24,9 +24,10 @@
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
 // sm90 tuning, sm_80 code sm80. The wgmma kernels come with M tiles of 64 rows (two consumer
 // warpgroups splitting the weight rows, five stages) where active experts average at most 64
-// rows, else 128; and with 64 x 128 tiles (one consumer warpgroup, eight stages) where GEMM1's
-// 64 x 256 items would leave SMs idle (gpu::wgmma_tile_for). set_gemm_tuning forces one
-// (tests, benchmarks).
+// rows; with 128-row tiles in pairs of CTAs that share each weight tile by TMA multicast where
+// they average 256 or more, single 128-row tiles between; and with 64 x 128 tiles (one
+// consumer warpgroup, eight stages) where GEMM1's 64 x 256 items would leave SMs idle
+// (gpu::wgmma_tile_for). set_gemm_tuning forces one (tests, benchmarks).
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
@@ -177,6 +178,9 @@ class cuda_fused_policy {
         case gpu::wgmma_tile::m64n128:
           run_pipeline<gpu::sm90_wgmma_m64n128_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
           break;
+        case gpu::wgmma_tile::m128x2:
+          run_pipeline<gpu::sm90_wgmma_m128x2_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
+          break;
         default: run_pipeline<gpu::sm90_wgmma_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits); break;
       }
     } else if (choice == gpu::gemm_tuning_choice::sm90) {
@@ -213,6 +217,7 @@ class cuda_fused_policy {
     if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m64) return gpu::wgmma_tile::m64;
     if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m64n128) return gpu::wgmma_tile::m64n128;
     if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m128) return gpu::wgmma_tile::m128;
+    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m128x2) return gpu::wgmma_tile::m128x2;
     return gpu::wgmma_tile_for(num_tokens * cfg_.top_k(), cfg_.num_local_experts(), cfg_.intermediate_size(),
                                sm_count);
   }
@@ -225,9 +230,10 @@ class cuda_fused_policy {
     const std::int64_t slots = num_tokens * cfg_.top_k();
     const gpu::wgmma_tile tile = wgmma_tile(tuning_, num_tokens, sm_count);
     const std::int64_t tile_bound =
-        std::min(gpu::moe_m_tile_capacity(slots, cfg_.num_local_experts(), gpu::wgmma_block_m(tile)), slots);
-    return gpu::wgmma_down_k_splits(tile_bound, cfg_.hidden_size(), cfg_.intermediate_size(), sm_count,
-                                    gpu::wgmma_block_n(tile));
+        std::min(gpu::moe_m_tile_capacity(slots, cfg_.num_local_experts(), gpu::wgmma_schedule_block_m(tile)), slots);
+    // A cluster's CTAs run one item together: the items fill sm_count / cluster places.
+    return gpu::wgmma_down_k_splits(tile_bound, cfg_.hidden_size(), cfg_.intermediate_size(),
+                                    sm_count / gpu::wgmma_cluster_m(tile), gpu::wgmma_block_n(tile));
   }
 
   pieces layout(std::int64_t num_tokens, int splits) const {
@@ -280,7 +286,8 @@ class cuda_fused_policy {
                     workspace_view ws, const pieces& lay, const gpu::device_facts& dev, cudaStream_t stream,
                     int splits) {
     constexpr auto tuning = GemmPolicy::tuning;
-    static_assert(tuning.block_m >= gpu::moe_gemm_min_block_m, "the workspace sizes the M-tile schedule for 64 rows");
+    static_assert(tuning.schedule_block_m() >= gpu::moe_gemm_min_block_m,
+                  "the workspace sizes the M-tile schedule for 64 rows");
     const std::int64_t m = d.num_tokens();
     const int k = cfg_.top_k(), hidden = cfg_.hidden_size(), inter = cfg_.intermediate_size();
     const std::int64_t slots = m * k;
@@ -289,9 +296,9 @@ class cuda_fused_policy {
     char* base = reinterpret_cast<char*>(start);
 
     const auto [plan, schedule] =
-        gpu::build_routing_plan_and_schedule(d.topk.topk_ids, cfg_.num_local_experts(), tuning.block_m, base + lay.plan,
-                                             lay.plan_bytes, base + lay.schedule, lay.schedule_bytes, stream,
-                                             dependent_launch_);
+        gpu::build_routing_plan_and_schedule(d.topk.topk_ids, cfg_.num_local_experts(), tuning.schedule_block_m(),
+                                             base + lay.plan, lay.plan_bytes, base + lay.schedule,
+                                             lay.schedule_bytes, stream, dependent_launch_);
     T* act = reinterpret_cast<T*>(base + lay.act);
     const float* weights = d.topk.topk_weights.ptr<const float>();
     const kernels::down_store store = store_mode();
