@@ -481,6 +481,39 @@ struct moe_gemm_wgmma {
     }
   }
 
+  // Adds the thread's row (half h) of `Blocks` 8-column blocks from col_base, times t.factor, into
+  // t.dst. The four lanes of a quad hold two columns each of every block (see epilogue): a 4 x 4
+  // transpose by shuffles gives lane c of the quad all eight columns of blocks 4g + c, each added
+  // with one 16-byte vector reduction instead of four packed atomics.
+  template <int Blocks, class Value>
+  __device__ __forceinline__ static void add_blocks(const down_target<T>& t, int col_base, int n, int h, int lane,
+                                                    Value value) {
+    static_assert(Blocks % 4 == 0, "blocks go to the quad's lanes four at a time");
+    const int c = lane & 3;
+    const unsigned quad_mask = 0xfu << (lane & ~3);  // a quad's lanes share a row: same branch
+#pragma unroll
+    for (int g = 0; g < Blocks / 4; ++g) {
+      std::uint32_t w[4], mine[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        w[b] = mma_16816<T>::pack2(value(4 * g + b, 2 * h) * t.factor, value(4 * g + b, 2 * h + 1) * t.factor);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        // Round r: lane c reads lane (c + r) % 4's pair of block 4g + c, and sends its own pair of
+        // block 4g + (c - r) % 4 to the lane that reads it. Selects, not indexing: the register
+        // arrays stay in registers.
+        const int give = (c - r) & 3, from = (c + r) & 3;
+        const std::uint32_t send = give == 0 ? w[0] : give == 1 ? w[1] : give == 2 ? w[2] : w[3];
+        const std::uint32_t got = __shfl_sync(quad_mask, send, from, 4);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (from == k) mine[k] = got;
+      }
+      const int col = col_base + 8 * (4 * g + c);  // n is a multiple of 8: a block is wholly in or out
+      if (col < n) atomic_add8(t.dst + col, mine);
+    }
+  }
+
   // Stores the thread's part of tile rows [row_base, row_base + 64): `blocks` blocks of 8
   // output columns from `col_base`, where value(j, 2h + q) is the accumulator of the thread's
   // row 16 warp + lane / 4 + 8h and column col_base + 8j + 2(lane % 4) + q, and for gate_up
@@ -507,14 +540,16 @@ struct moe_gemm_wgmma {
           continue;
         }
         const down_target<T> t = down_target<T>::at(p, row);
-        const bool add = p.store == down_store::accumulate;
+        if (p.store == down_store::accumulate) {
+          add_blocks<Blocks>(t, col_base, p.n, h, lane, value);
+          continue;
+        }
 #pragma unroll
         for (int j = 0; j < Blocks; ++j) {
           const int col = col0 + 8 * j;  // n is a multiple of 8: a pair is wholly in or out
           if (col >= p.n) continue;
           const float lo = value(j, 2 * h) * t.factor, hi = value(j, 2 * h + 1) * t.factor;
-          if (add) atomic_add2(t.dst + col, lo, hi);
-          else *reinterpret_cast<std::uint32_t*>(t.dst + col) = mma_16816<T>::pack2(lo, hi);
+          *reinterpret_cast<std::uint32_t*>(t.dst + col) = mma_16816<T>::pack2(lo, hi);
         }
       } else {
         T* out = p.c + static_cast<std::int64_t>(row) * p.n;
