@@ -189,7 +189,7 @@ enum class wgmma_tile : std::uint8_t { m64, m64n128, m128, m128x2 };
 
 constexpr wgmma_tile wgmma_tile_for(std::int64_t rows, int num_experts, int intermediate_size, int sm_count) {
   const std::int64_t active = rows < num_experts ? rows : num_experts;
-  if (rows >= 256 * active) return wgmma_tile::m128x2;
+  if (active > 0 && rows >= 256 * active) return wgmma_tile::m128x2;
   if (rows > 64 * active) return wgmma_tile::m128;
   const std::int64_t gemm1_items = active * ((intermediate_size + 127) / 128);
   return 2 * gemm1_items <= sm_count ? wgmma_tile::m64n128 : wgmma_tile::m64;
