@@ -696,14 +696,21 @@ int main(int argc, char** argv) {
   }
 
   const ceilings c = opt.once ? ceilings{} : measure_ceilings(s, prop.multiProcessorCount);
+  // 2-CTA clusters of the 128-row wgmma GEMM that run at once (a cluster's SMs share a GPC).
+  int pair_clusters = 0;
+  if (const mr::gpu::device_facts dev = mr::gpu::current_device_facts(); mr::gpu::wgmma_gemm_available(dev))
+    pair_clusters = mr::gpu::prepare_wgmma_gemm<__nv_bfloat16, mr::gpu::sm90_wgmma_m128x2_gemm_policy,
+                                                mr::kernels::moe_gemm_kind::down>(dev);
   std::printf("GPU %s (%d SMs, L2 %.0f MB), commit %s\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6,
               opt.commit.c_str());
-  std::printf("ceilings: HBM read %.2f TB/s, D2D copy %.2f TB/s (read+write), cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s\n\n",
+  std::printf("ceilings: HBM read %.2f TB/s, D2D copy %.2f TB/s (read+write), cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s\n",
               c.read_tbps, c.copy_tbps, c.gemm_tflops);
+  std::printf("wgmma 2-CTA clusters resident at once: %d\n\n", pair_clusters);
   jsonl << "{\"gpu\":" << json_string(prop.name) << ",\"commit\":" << json_string(opt.commit)
         << ",\"date\":" << json_string(utc_now()) << ",\"read_TBps\":" << json_number(c.read_tbps)
         << ",\"copy_TBps\":" << json_number(c.copy_tbps) << ",\"gemm_TFLOPs\":" << json_number(c.gemm_tflops)
-        << ",\"sm_count\":" << prop.multiProcessorCount << ",\"l2_MB\":" << json_number(prop.l2CacheSize / 1e6)
+        << ",\"sm_count\":" << prop.multiProcessorCount << ",\"pair_clusters\":" << pair_clusters
+        << ",\"l2_MB\":" << json_number(prop.l2CacheSize / 1e6)
         << ",\"dtype\":\"bf16\",\"routing\":\"softmax top-k, renormalized, f32 logits U(-4,4)\"}\n";
   jsonl.flush();
 

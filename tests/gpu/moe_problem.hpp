@@ -169,9 +169,15 @@ struct moe_on_device {
       out.data = out_buf.get();
       out.space = memory_space::device;
     }
+    size_workspace(p, ws_misalign);
+  }
+
+  // A workspace of exactly what the runner asks for, `misalign` bytes past an allocation's
+  // start. Again after changing a policy setting that the size depends on (the GEMM tuning).
+  void size_workspace(const moe_problem& p, std::size_t misalign) {
     const std::size_t need = runner->workspace_bytes(p.s.m);
-    ws_buf = device_buffer(need + ws_misalign);
-    ws = {static_cast<char*>(ws_buf.get()) + ws_misalign, need};
+    ws_buf = device_buffer(need + misalign);
+    ws = {static_cast<char*>(ws_buf.get()) + misalign, need};
   }
 
   DispatchOutput dispatch(const moe_problem& p) const { return {x.view, {}, p.topk(weights.view, ids.view)}; }

@@ -74,6 +74,7 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
         core.set_dependent_launch(ls.dependent_launch);
       }
     });
+    size_workspace(p, ws_misalign);  // the K splits, and so the size, follow the tuning
   }
 };
 

@@ -190,14 +190,16 @@ __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, std::uint32_t 
   }
 }
 
-// Arrives (release, cluster scope) on the mbarrier at `bar`'s offset in the shared memory of
-// the cluster's CTA `rank`.
+// Arrives on the mbarrier at `bar`'s offset in the shared memory of the cluster's CTA `rank`,
+// with the default (CTA-scope release) semantics: what the arrival orders is this warp's
+// wgmma reads of the stage, retired before it, against the peer's TMA overwriting it. A
+// cluster-scope release would also wait for the warp's earlier global stores (the epilogue's).
 __device__ __forceinline__ void mbarrier_arrive_cluster(std::uint64_t* bar, std::uint32_t rank) {
 #if MOERUNNER_WGMMA_COMPILED
   asm volatile(
       "{\n.reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_address(bar)),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_address(bar)),
       "r"(rank)
       : "memory");
 #else
