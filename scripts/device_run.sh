@@ -8,7 +8,7 @@
 #
 #   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,profile]
 #                         [--archs 90a] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
-#                         [--profile-cells "Shape:M,..."] [--profile-source] [--pack]
+#                         [--profile-cells "Shape:M,..."] [--profile-backends "a,b"] [--profile-source] [--pack]
 #
 #   --out DIR          where logs and results go (default: $OUT if set, else build-device/run)
 #   --results FILE     benchmark JSON lines (default: DIR/h200.jsonl)
@@ -22,6 +22,8 @@
 #   --profile-cells    benchmark cells for the profile step, Shape:M comma-separated (default
 #                      Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1): Nsight Compute (ncu, clocks left
 #                      alone) over cuda_fused's two GEMMs of one run of each cell, into logs/profile-*.log
+#   --profile-backends backends (benchmark rows) whose GEMMs the profile step measures, in turn
+#                      (default cuda_fused); the stall sampling takes the first
 #   --profile-source   also sample warp stalls per SASS instruction over each cell's first GEMM
 #                      (ncu SourceCounters), into logs/profile-*-sass.csv.gz
 #   --pack             leave only summary.txt, the results and logs.tar.gz in DIR
@@ -43,6 +45,7 @@ bench_args=""
 sanitizer_args=""
 profile_cells="Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1"
 profile_source=0
+profile_backends="cuda_fused"
 pack=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -56,6 +59,7 @@ while [[ $# -gt 0 ]]; do
     --sanitizer-args) sanitizer_args=$2; shift 2 ;;
     --profile-cells) profile_cells=$2; shift 2 ;;
     --profile-source) profile_source=1; shift ;;
+    --profile-backends) profile_backends=$2; shift 2 ;;
     --pack) pack=1; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "device_run: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -272,17 +276,19 @@ if has_step profile; then
     record profile skipped "ncu not found"
   else
     IFS=, read -r -a cells <<< "$profile_cells"
+    IFS=, read -r -a profiled <<< "$profile_backends"
     for cell in "${cells[@]}"; do
       shape=${cell%%:*}
       tokens=${cell#*:}
       t=$(step_timeout 120 5)
       out_of_time "profile $cell" "$t" && continue
-      note "profile: ncu over cuda_fused's GEMMs, $shape M=$tokens (up to ${t}s)"
+      note "profile: ncu over the GEMMs of $profile_backends, $shape M=$tokens (up to ${t}s)"
       log="$logs/profile-$shape-$tokens.log"
-      timeout "$t" "$ncu" --clock-control none -k regex:moe_grouped_gemm --launch-count 2 \
+      # Each backend row runs its two GEMMs once (--once), in the order given.
+      timeout "$t" "$ncu" --clock-control none -k regex:moe_grouped_gemm --launch-count $((2 * ${#profiled[@]})) \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         --section Occupancy --section LaunchStats --section WarpStateStats \
-        "$build/bench/moe_bench" --once --shapes "$shape" --tokens "$tokens" --backends cuda_fused \
+        "$build/bench/moe_bench" --once --shapes "$shape" --tokens "$tokens" --backends "$profile_backends" \
         --out "$logs/profile-$shape-$tokens.jsonl" > "$log" 2>&1
       rc=$?
       if [[ $rc -eq 0 ]]; then
@@ -297,7 +303,7 @@ if has_step profile; then
       rm -f "$rep.ncu-rep"
       timeout "$t" "$ncu" --clock-control none -k regex:moe_grouped_gemm --launch-count 1 \
         --section WarpStateStats --section SourceCounters --export "$rep" \
-        "$build/bench/moe_bench" --once --shapes "$shape" --tokens "$tokens" --backends cuda_fused \
+        "$build/bench/moe_bench" --once --shapes "$shape" --tokens "$tokens" --backends "${profiled[0]}" \
         --out "$logs/profile-$shape-$tokens-src.jsonl" > "$logs/profile-$shape-$tokens-src.log" 2>&1 &&
         "$ncu" --import "$rep.ncu-rep" --page source --csv --print-source sass 2>> "$logs/profile-$shape-$tokens-src.log" |
         gzip > "$logs/profile-$shape-$tokens-sass.csv.gz"
