@@ -25,18 +25,20 @@ g::wgmma_tile tile_at(const bench_shape& s, std::int64_t tokens) { return g::wgm
 
 }  // namespace
 
-TEST_CASE("wgmma tiles by rows per active expert: 64-row at decode, pairs of 128-row CTAs from 256") {
+TEST_CASE("wgmma tiles by rows per active expert: 64-row at decode, pairs of 128-row CTAs from 512") {
   CHECK(tile_at(mixtral, 1) == g::wgmma_tile::m64);         // GEMM1: 2 experts x 112 N tiles > 66 items
   CHECK(tile_at(mixtral, 64) == g::wgmma_tile::m64);        // 16 rows per expert
   CHECK(tile_at(mixtral, 512) == g::wgmma_tile::m128);      // 128
-  CHECK(tile_at(mixtral, 1024) == g::wgmma_tile::m128x2);   // 256: the boundary
-  CHECK(tile_at(mixtral, 1023) == g::wgmma_tile::m128);
+  CHECK(tile_at(mixtral, 1024) == g::wgmma_tile::m128);     // 256
+  CHECK(tile_at(mixtral, 2048) == g::wgmma_tile::m128x2);   // 512: the boundary
+  CHECK(tile_at(mixtral, 2047) == g::wgmma_tile::m128);
   CHECK(tile_at(mixtral, 4096) == g::wgmma_tile::m128x2);
   CHECK(tile_at(deepseek, 512) == g::wgmma_tile::m64);      // 16
   CHECK(tile_at(deepseek, 4096) == g::wgmma_tile::m128);    // 128
   CHECK(tile_at(deepseek, 16384) == g::wgmma_tile::m128x2); // 512
   CHECK(tile_at(qwen3, 1) == g::wgmma_tile::m64n128);
-  CHECK(tile_at(qwen3, 4096) == g::wgmma_tile::m128x2);     // 256
+  CHECK(tile_at(qwen3, 4096) == g::wgmma_tile::m128);       // 256
+  CHECK(tile_at(qwen3, 16384) == g::wgmma_tile::m128x2);    // 1024
   // Fewer rows than experts: only `rows` experts can be active.
   CHECK(g::wgmma_tile_for(300, 512, 2048, sms) == g::wgmma_tile::m64);
   CHECK(g::wgmma_tile_for(0, 8, 2048, sms) == g::wgmma_tile::m64n128);

@@ -87,6 +87,8 @@ struct wgmma_gemm_tuning {
   int raster_band;          // M tiles that walk the N tiles together (see decode_work_item)
   int cluster_m = 1;        // CTAs of a cluster, each on block_m rows of one schedule tile, that
                             // share the weight tile by TMA multicast (1 or 2)
+  bool async_a_arrive = false;  // each producer thread's A copies arrive on the stage's barrier when
+                                // they land (cp.async.mbarrier.arrive), not producer_lag stages later
 
   constexpr int threads() const { return 128 * (1 + consumer_warpgroups); }
   // A schedule tile spans the cluster: its CTAs take consecutive block_m-row parts of it.
@@ -115,6 +117,7 @@ consteval bool check_wgmma_gemm_tuning(wgmma_gemm_tuning t) {
   // Each CTA of a pair issues one of the two weight boxes to both; a 64-row tile's warpgroups
   // split the B rows differently.
   if (t.cluster_m == 2 && t.block_m != 128) throw "2-CTA clusters are written for 128-row tiles";
+  if (t.async_a_arrive && t.producer_lag != 0) throw "with async_a_arrive the producer keeps no lag";
   return true;
 }
 
@@ -140,10 +143,11 @@ struct sm90_wgmma_m128x2_gemm_policy {
                                             .block_k = 64,
                                             .consumer_warpgroups = 2,
                                             .stages = 4,
-                                            .producer_lag = 2,
+                                            .producer_lag = 0,
                                             .min_arch = 90,
                                             .raster_band = 4,  // 4 x 256 rows: the 128-row tile's band
-                                            .cluster_m = 2};
+                                            .cluster_m = 2,
+                                            .async_a_arrive = true};
 };
 // Tiles of 64 rows, for experts that see few rows, where the GEMMs stream weights: two
 // warpgroups share the rows and split the B rows (each runs half the wgmma work of one
@@ -180,8 +184,9 @@ inline constexpr int moe_gemm_min_block_m = sm90_wgmma_m64_gemm_policy::tuning.b
 
 // The wgmma tile for `rows` routed rows over `num_experts` experts: 64 rows when an active
 // expert averages at most 64 rows (decode; prefill over many experts); 128-row tiles in 2-CTA
-// clusters when it averages at least 256 (a 256-row schedule tile then seldom leaves one CTA
-// of the pair without rows), single 128-row tiles between; and 64 x 128 when GEMM1's 64 x 256
+// clusters when it averages at least 512 (at 256, Qwen3-30B-A3B at 4096 tokens, the experts'
+// half-empty 256-row tiles idle one CTA of the pair too often: measured 1.2x slower than
+// single tiles), single 128-row tiles between; and 64 x 128 when GEMM1's 64 x 256
 // items (at most one M tile per active expert, I/128 N tiles) fill at most half the SMs
 // (measured: Qwen3-30B-A3B at one token, 48 items, 7% faster; DeepSeek-V3, 128 items, 7%
 // slower). A function of the shape only, so that the workspace query and the run agree.
@@ -189,7 +194,7 @@ enum class wgmma_tile : std::uint8_t { m64, m64n128, m128, m128x2 };
 
 constexpr wgmma_tile wgmma_tile_for(std::int64_t rows, int num_experts, int intermediate_size, int sm_count) {
   const std::int64_t active = rows < num_experts ? rows : num_experts;
-  if (active > 0 && rows >= 256 * active) return wgmma_tile::m128x2;
+  if (active > 0 && rows >= 512 * active) return wgmma_tile::m128x2;
   if (rows > 64 * active) return wgmma_tile::m128;
   const std::int64_t gemm1_items = active * ((intermediate_size + 127) / 128);
   return 2 * gemm1_items <= sm_count ? wgmma_tile::m64n128 : wgmma_tile::m64;

@@ -18,7 +18,10 @@
 //     on the benchmark's M = 64 and 512 cells than 128-row tiles).
 // Stage hand-off uses mbarriers: full[s] completes when the 128 producer threads have arrived
 // (each after its copies landed and were fenced for the async proxy) and the TMA bytes came;
-// empty[s] completes when every consumer warp's wgmma reading stage s has retired.
+// empty[s] completes when every consumer warp's wgmma reading stage s has retired. With
+// async_a_arrive the hardware makes each producer thread's arrival when its copies land
+// (cp.async.mbarrier.arrive), so the signal no longer waits for producer_lag more stages to be
+// issued, and the consumers fence the rows for the async proxy after the wait.
 //
 // Clusters of two (cluster_m = 2): the pair walks the same work items, each of a 256-row
 // schedule tile (one expert), CTA rank r on rows [128 r, 128 r + 128) of it. Per stage, rank r's
@@ -183,6 +186,12 @@ __device__ __forceinline__ std::uint64_t sw128_kmajor_desc(std::uint32_t smem_ad
   constexpr std::uint64_t swizzle_128b = 1;
   return static_cast<std::uint64_t>((smem_addr & 0x3ffff) >> 4) | (leading_byte_offset << 16) |
          (stride_byte_offset << 32) | (swizzle_128b << 62);
+}
+
+// Arrives on `bar` once every cp.async this thread issued before has landed; counts as one of
+// the barrier's expected arrivals (.noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_address(bar)) : "memory");
 }
 
 __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, std::uint32_t parity) {
@@ -353,20 +362,28 @@ struct moe_gemm_wgmma {
           const T* src = ok ? p.a + static_cast<std::int64_t>(a_src_row[i]) * p.k + kcol : p.a;
           cp_async_16(smem_address(sa + r * (bk * 2) + st_chunk * 16), src, ok);
         }
-        cp_async_commit();
-        // Signal the stage issued producer_lag tiles ago: its copies have landed (wait_group),
-        // and the fence orders them before the consumers' wgmma reads (async proxy).
-        if (it >= static_cast<std::uint32_t>(tuning.producer_lag)) {
-          cp_async_wait<tuning.producer_lag>();
-          cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-          cuda::ptx::mbarrier_arrive(&bars.full[(it - tuning.producer_lag) % stages]);
+        if constexpr (tuning.async_a_arrive) {
+          // The barrier counts this thread's arrival once its copies so far have landed; the
+          // consumers fence them for the async proxy (no thread of ours runs after they land).
+          cp_async_arrive_noinc(&bars.full[stage]);
+        } else {
+          cp_async_commit();
+          // Signal the stage issued producer_lag tiles ago: its copies have landed (wait_group),
+          // and the fence orders them before the consumers' wgmma reads (async proxy).
+          if (it >= static_cast<std::uint32_t>(tuning.producer_lag)) {
+            cp_async_wait<tuning.producer_lag>();
+            cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+            cuda::ptx::mbarrier_arrive(&bars.full[(it - tuning.producer_lag) % stages]);
+          }
         }
       }
     }
-    cp_async_wait<0>();
-    cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-    const std::uint32_t first = it > static_cast<std::uint32_t>(tuning.producer_lag) ? it - tuning.producer_lag : 0;
-    for (std::uint32_t j = first; j < it; ++j) cuda::ptx::mbarrier_arrive(&bars.full[j % stages]);
+    if constexpr (!tuning.async_a_arrive) {
+      cp_async_wait<0>();
+      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+      const std::uint32_t first = it > static_cast<std::uint32_t>(tuning.producer_lag) ? it - tuning.producer_lag : 0;
+      for (std::uint32_t j = first; j < it; ++j) cuda::ptx::mbarrier_arrive(&bars.full[j % stages]);
+    }
   }
 
   // A consumer thread's accumulators: one 64 x 256 block (128 registers), or with split_n
@@ -429,6 +446,9 @@ struct moe_gemm_wgmma {
       for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
         const int stage = static_cast<int>(it % stages);
         mbarrier_wait(&bars.full[stage], (it / stages) & 1);
+        // The A rows were written by cp.async (generic proxy) and wgmma reads through the async
+        // proxy; with async_a_arrive no producer thread fenced them after they landed.
+        if constexpr (tuning.async_a_arrive) cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
         if (active) {
           const std::uint32_t sa = ring_addr + stage * tuning.stage_bytes() + row_base * (bk * 2);
           const std::uint32_t sb = ring_addr + stage * tuning.stage_bytes() + a_bytes;

@@ -25,7 +25,7 @@
 // sm90 tuning, sm_80 code sm80. The wgmma kernels come with M tiles of 64 rows (two consumer
 // warpgroups splitting the weight rows, five stages) where active experts average at most 64
 // rows; with 128-row tiles in pairs of CTAs that share each weight tile by TMA multicast where
-// they average 256 or more, single 128-row tiles between; and with 64 x 128 tiles (one
+// they average 512 or more, single 128-row tiles between; and with 64 x 128 tiles (one
 // consumer warpgroup, eight stages) where GEMM1's 64 x 256 items would leave SMs idle
 // (gpu::wgmma_tile_for). set_gemm_tuning forces one (tests, benchmarks).
 //
