@@ -135,8 +135,8 @@ struct sm90_wgmma_gemm_policy {
 };
 // The 128-row tile in clusters of two CTAs on the two 128-row halves of a 256-row schedule
 // tile (one expert): each CTA loads half of the stage's weight tile from L2 and multicasts it
-// to both, so a CTA draws 32 KB per K tile instead of 48 (16 KB of A rows, 16 of B). Both GEMMs
-// draw L2 at the same rate, whose 48 KB per K tile kept the 128-row tile at ~610 TFLOP/s.
+// to both, so a CTA draws 32 KB per K tile instead of 48 (16 KB of A rows, 16 of B), and an
+// expert's weights leave L2 once per pair. Its A copies signal their stage as they land.
 struct sm90_wgmma_m128x2_gemm_policy {
   static constexpr wgmma_gemm_tuning tuning{.block_m = 128,
                                             .block_n = 256,

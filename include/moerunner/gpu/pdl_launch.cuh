@@ -2,7 +2,8 @@
 // the previous kernel on the stream is still running (that kernel lets them with
 // kernels::allow_dependent_grids, or by finishing). The kernel must call
 // kernels::wait_for_prior_grids before it reads anything the stream produced before it.
-// Works inside stream capture (the graph gets a programmatic edge).
+// Works inside stream capture (the graph gets a programmatic edge). Also launches in
+// thread-block clusters (launch_dependent_clusters).
 #pragma once
 
 #if !defined(__CUDACC__)

@@ -153,8 +153,8 @@ inline int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_cou
 
 // Launches one grouped GEMM of a wgmma tuning (Policy: sm90_wgmma_gemm_policy,
 // sm90_wgmma_m128x2_gemm_policy, sm90_wgmma_m64_gemm_policy or sm90_wgmma_m64n128_gemm_policy,
-// whose schedule_block_m the schedule must have been built for); `p.tiles`, `p.tile_count` and `p.n_tiles` are filled here from
-// `schedule`, as launch_moe_gemm does.
+// whose schedule_block_m the schedule must have been built for); `p.tiles`, `p.tile_count`
+// and `p.n_tiles` are filled here from `schedule`, as launch_moe_gemm does.
 template <class T, kernels::moe_gemm_kind Kind, class Policy = sm90_wgmma_gemm_policy>
 void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const tile_schedule& schedule,
                            const device_facts& dev, cudaStream_t stream, bool dependent_launch = false) {
