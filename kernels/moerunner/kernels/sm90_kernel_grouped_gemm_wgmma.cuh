@@ -354,9 +354,9 @@ struct moe_gemm_wgmma {
         for (int i = 0; i < a_passes; ++i) {
           // 64-row tiles (decode) leave rows past the tile as they are: their results are never
           // stored, and a wgmma row reads only its own A row. 128-row tiles zero them, which
-          // measured faster at prefill, unless the CTA has no rows (its consumers then idle).
-          // Columns past k must be zeros (B's are).
-          if ((split_n || rows <= 0) && a_src_row[i] < 0) continue;
+          // measured faster at prefill, unless the CTA of a pair has no rows (its consumers
+          // then idle). Columns past k must be zeros (B's are).
+          if ((split_n || (cluster > 1 && rows <= 0)) && a_src_row[i] < 0) continue;
           const int r = ld_row + i * rows_per_pass;
           const bool ok = k_ok && a_src_row[i] >= 0;
           const T* src = ok ? p.a + static_cast<std::int64_t>(a_src_row[i]) * p.k + kcol : p.a;
