@@ -141,7 +141,16 @@ if has_step build; then
   if [[ -d "$build" && "$(cat "$build/.header_sum" 2>/dev/null)" != "$header_sum" ]]; then
     find "$build" -name '*.cu.o' -delete
   fi
-  t=$(step_timeout 330 150)
+  # Leave the later steps only what the requested ones need at least: a fixed reserve starved
+  # the build (~85 s on 16 cores) under a small --budget that asked for few steps after it.
+  reserve=0
+  has_step test && reserve=$((reserve + 40))
+  has_step sanitize && reserve=$((reserve + 60))
+  has_step bench && reserve=$((reserve + 30))
+  has_step torch && reserve=$((reserve + 15))
+  has_step profile && reserve=$((reserve + 30))
+  (( reserve > 150 )) && reserve=150
+  t=$(step_timeout 330 "$reserve")
   note "build: meson setup + ninja (archs $archs, up to ${t}s)"
   {
     if [[ -f "$build/build.ninja" ]]; then  # the native file is kept from the first setup
