@@ -8,7 +8,8 @@
 #
 #   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,profile]
 #                         [--archs 90a] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
-#                         [--profile-cells "Shape:M,..."] [--profile-backends "a,b"] [--profile-source] [--pack]
+#                         [--profile-cells "Shape:M,..."] [--profile-backends "a,b"] [--profile-source]
+#                         [--baseline DIR] [--pack]
 #
 #   --out DIR          where logs and results go (default: $OUT if set, else build-device/run)
 #   --results FILE     benchmark JSON lines (default: DIR/h200.jsonl)
@@ -18,6 +19,10 @@
 #   --jobs N           parallel compile jobs (default: all cores)
 #   --budget SECONDS   wall-clock budget for the whole run (default 570); each step gets what is left
 #   --bench-args ARGS  extra arguments for moe_bench and torch_grouped_mm.py filters (--shapes/--tokens)
+#   --baseline DIR     another source tree of this project (e.g. `git archive COMMIT | tar -x -C DIR`):
+#                      the bench step also builds its moe_bench and runs it with the same arguments right
+#                      after this tree's, adding its rows to the results as BACKEND@baseline, so that two
+#                      versions are compared on one machine (runs on different machines differ by 10-20%)
 #   --sanitizer-args   extra arguments passed to each GPU test under compute-sanitizer (e.g. a doctest filter)
 #   --profile-cells    benchmark cells for the profile step, Shape:M comma-separated (default
 #                      Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1): Nsight Compute (ncu, clocks left
@@ -42,6 +47,7 @@ archs="90a"
 jobs=$(nproc)
 budget=570
 bench_args=""
+baseline=""
 sanitizer_args=""
 profile_cells="Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1"
 profile_source=0
@@ -56,6 +62,7 @@ while [[ $# -gt 0 ]]; do
     --jobs) jobs=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
     --bench-args) bench_args=$2; shift 2 ;;
+    --baseline) baseline=$(cd "$2" && pwd) || exit 2; shift 2 ;;
     --sanitizer-args) sanitizer_args=$2; shift 2 ;;
     --profile-cells) profile_cells=$2; shift 2 ;;
     --profile-source) profile_source=1; shift ;;
@@ -254,6 +261,41 @@ if has_step bench; then
     elif [[ $rc -eq 124 ]]; then record bench timeout "partial results in $(basename "$results")"
     else record bench failed "exit $rc, see logs/bench.log"; fi
     note "bench: $(tail -n1 "$status_file" | cut -f2)"
+  fi
+  if [[ -n "$baseline" ]]; then
+    t=$(step_timeout 420 10)
+    if [[ -z "${setup_args+x}" ]]; then
+      record bench-baseline skipped "needs the build step (its Meson settings)"
+    elif [[ ! -s "$results" ]]; then
+      record bench-baseline skipped "no benchmark results to add to"
+    elif ! out_of_time bench-baseline "$t"; then
+      note "bench-baseline: build and run $baseline's moe_bench (up to ${t}s)"
+      base_build=$build-baseline
+      ln -sfn "$deps" "$baseline/.deps"  # its Meson settings name .deps/ inside the source tree
+      base_results=$out_dir/baseline.jsonl
+      # shellcheck disable=SC2086
+      {
+        { [[ -f "$base_build/build.ninja" ]] || "${meson[@]}" setup "$base_build" "$baseline" "${setup_args[@]}"; } &&
+          timeout "$t" ninja -C "$base_build" -j "$jobs" bench/moe_bench &&
+          timeout "$(step_timeout 300 10)" "$base_build/bench/moe_bench" --out "$base_results" --commit baseline \
+            $bench_args
+      } > "$logs/bench-baseline.log" 2>&1
+      rc=$?
+      if [[ $rc -eq 0 ]]; then
+        # The baseline's cells join the results under their own backend names.
+        python3 - "$base_results" "$results" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()][1:]
+with open(sys.argv[2], "a") as out:
+    for r in rows:
+        if "backend" in r:
+            r["backend"] += "@baseline"
+            out.write(json.dumps(r) + "\n")
+PY
+        record bench-baseline ok "$(grep -c '"backend"' "$base_results") cells"
+      else record bench-baseline failed "exit $rc, see logs/bench-baseline.log"; fi
+      note "bench-baseline: $(tail -n1 "$status_file" | cut -f2)"
+    fi
   fi
 fi
 
