@@ -207,7 +207,7 @@ fi
 
 # ---------------------------------------------------------------- compute-sanitizer
 if has_step sanitize; then
-  t=$(step_timeout 150 60)
+  t=$(step_timeout 240 60)
   if [[ -z "$sanitizer" ]]; then
     record sanitize skipped "compute-sanitizer not found"
   elif ! out_of_time sanitize "$t"; then
