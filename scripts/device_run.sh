@@ -26,7 +26,7 @@
 #   --sanitizer-args   extra arguments passed to each GPU test under compute-sanitizer (e.g. a doctest filter)
 #   --profile-cells    benchmark cells for the profile step, Shape:M comma-separated (default
 #                      Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1): Nsight Compute (ncu, clocks left
-#                      alone) over cuda_fused's two GEMMs of one run of each cell, into logs/profile-*.log
+#                      alone) over the two GEMMs of one run of each cell, into logs/profile-*.log
 #   --profile-backends backends (benchmark rows) whose GEMMs the profile step measures, in turn
 #                      (default cuda_fused); the stall sampling takes the first
 #   --profile-source   also sample warp stalls per SASS instruction over each cell's first GEMM
