@@ -68,20 +68,20 @@ struct launch_config {
   launch_config& operator=(const launch_config&) = delete;
 };
 
-// `dependent` false makes it a plain launch.
-template <class... Params, class... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes, cudaStream_t stream,
-                      bool dependent, Args&&... args) {
-  const launch_config c(grid, block, smem_bytes, stream, dependent);
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(&c.config, kernel, std::forward<Args>(args)...));
-}
-
-// As launch_dependent, in clusters of cluster_x CTAs along x (the grid a multiple of it).
+// As launch_dependent, in clusters of cluster_x CTAs along x (the grid a multiple of it);
+// cluster_x 1 launches no clusters.
 template <class... Params, class... Args>
 void launch_dependent_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes,
                                cudaStream_t stream, bool dependent, unsigned cluster_x, Args&&... args) {
   const launch_config c(grid, block, smem_bytes, stream, dependent, cluster_x);
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&c.config, kernel, std::forward<Args>(args)...));
+}
+
+// `dependent` false makes it a plain launch.
+template <class... Params, class... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem_bytes, cudaStream_t stream,
+                      bool dependent, Args&&... args) {
+  launch_dependent_clusters(kernel, grid, block, smem_bytes, stream, dependent, 1u, std::forward<Args>(args)...);
 }
 
 }  // namespace moerunner::gpu

@@ -190,12 +190,8 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   p.n_tiles = static_cast<int>(n_tiles);
   // The CTAs may start (barrier set-up, descriptor prefetch) while the previous kernel drains.
   const dim3 grid(static_cast<unsigned>(clusters * tuning.cluster_m));
-  if constexpr (tuning.cluster_m == 1)
-    launch_dependent(kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind>, grid, dim3(tuning.threads()),
-                     tuning.smem_bytes(), stream, dependent_launch, p, map);
-  else
-    launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind>, grid, dim3(tuning.threads()),
-                              tuning.smem_bytes(), stream, dependent_launch, tuning.cluster_m, p, map);
+  launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind>, grid, dim3(tuning.threads()),
+                            tuning.smem_bytes(), stream, dependent_launch, tuning.cluster_m, p, map);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_kernel");
 }
 
