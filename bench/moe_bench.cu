@@ -10,6 +10,8 @@
 // in the default list), and on request cuda_fused_mma (the mma.sync sm90 tuning forced on
 // sm_90a code), cuda_fused_m64 / cuda_fused_m64n128 / cuda_fused_m128 (the wgmma kernels with
 // 64 x 256, 64 x 128 or 128 x 256 tiles forced, where the default picks by shape),
+// cuda_fused_m128x2 (128-row tiles in 2-CTA clusters forced), cuda_fused_stream (the stream
+// GEMMs forced, which the default picks at decode),
 // cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the default is 8) and
 // cuda_fused_pdl (programmatic dependent launches, off by default), which measure one choice
 // each.
@@ -99,6 +101,7 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_m64n128", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m64n128, false, false},
     {"cuda_fused_m128", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m128, false, false},
     {"cuda_fused_m128x2", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m128x2, false, false},
+    {"cuda_fused_stream", "cuda_fused", mr::gpu::gemm_tuning_choice::stream, false, false},
     {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
     {"cuda_fused_pdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, true},
 };
@@ -396,7 +399,7 @@ routing_times routing_ms(const shape_desc& sh, const routing_set& r, std::int64_
   int sm_count = 0;
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
   // The tile rows cuda_fused picks on sm_90a code.
-  const int block_m = mr::gpu::wgmma_schedule_block_m(mr::gpu::wgmma_tile_for(m * sh.k, sh.e, sh.i, sm_count));
+  const int block_m = mr::gpu::sm90_schedule_block_m(mr::gpu::sm90_tile_for(m * sh.k, sh.e, sh.i, sm_count));
   const std::size_t schedule_bytes = mr::gpu::tile_schedule_bytes(m * sh.k, sh.e, block_m);
   dbuf plan_ws(plan_bytes), schedule_ws(schedule_bytes);
   const auto plan = [&](cudaStream_t cs) {

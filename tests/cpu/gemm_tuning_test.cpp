@@ -21,41 +21,61 @@ constexpr bench_shape mixtral{"Mixtral-8x7B", 8, 2, 14336}, deepseek{"DeepSeek-V
     qwen3{"Qwen3-30B-A3B", 128, 8, 768};
 constexpr int sms = 132;
 
-g::wgmma_tile tile_at(const bench_shape& s, std::int64_t tokens) { return g::wgmma_tile_for(tokens * s.k, s.e, s.i, sms); }
+g::sm90_tile tile_at(const bench_shape& s, std::int64_t tokens) { return g::sm90_tile_for(tokens * s.k, s.e, s.i, sms); }
 
 }  // namespace
 
-TEST_CASE("wgmma tiles by rows per active expert: 64-row at decode, pairs of 128-row CTAs from 512") {
-  CHECK(tile_at(mixtral, 1) == g::wgmma_tile::m64);         // GEMM1: 2 experts x 112 N tiles > 66 items
-  CHECK(tile_at(mixtral, 64) == g::wgmma_tile::m64);        // 16 rows per expert
-  CHECK(tile_at(mixtral, 512) == g::wgmma_tile::m128);      // 128
-  CHECK(tile_at(mixtral, 1024) == g::wgmma_tile::m128);     // 256
-  CHECK(tile_at(mixtral, 2048) == g::wgmma_tile::m128x2);   // 512: the boundary
-  CHECK(tile_at(mixtral, 2047) == g::wgmma_tile::m128);
-  CHECK(tile_at(mixtral, 4096) == g::wgmma_tile::m128x2);
-  CHECK(tile_at(deepseek, 512) == g::wgmma_tile::m64);      // 16
-  CHECK(tile_at(deepseek, 4096) == g::wgmma_tile::m128);    // 128
-  CHECK(tile_at(deepseek, 16384) == g::wgmma_tile::m128x2); // 512
-  CHECK(tile_at(qwen3, 1) == g::wgmma_tile::m64n128);
-  CHECK(tile_at(qwen3, 4096) == g::wgmma_tile::m128);       // 256
-  CHECK(tile_at(qwen3, 16384) == g::wgmma_tile::m128x2);    // 1024
+TEST_CASE("sm_90a tiles by rows per active expert: stream GEMMs at decode, pairs of 128-row CTAs from 512") {
+  CHECK(tile_at(mixtral, 1) == g::sm90_tile::stream);      // 1 row per active expert
+  CHECK(tile_at(mixtral, 8) == g::sm90_tile::stream);      // 2
+  CHECK(tile_at(mixtral, 32) == g::sm90_tile::stream);     // 8: the boundary
+  CHECK(tile_at(mixtral, 33) == g::sm90_tile::m64);        // GEMM1: 8 experts x 112 N tiles > 66 items
+  CHECK(tile_at(mixtral, 64) == g::sm90_tile::m64);        // 16
+  CHECK(tile_at(mixtral, 512) == g::sm90_tile::m128);      // 128
+  CHECK(tile_at(mixtral, 1024) == g::sm90_tile::m128);     // 256
+  CHECK(tile_at(mixtral, 2048) == g::sm90_tile::m128x2);   // 512: the boundary
+  CHECK(tile_at(mixtral, 2047) == g::sm90_tile::m128);
+  CHECK(tile_at(mixtral, 4096) == g::sm90_tile::m128x2);
+  CHECK(tile_at(deepseek, 1) == g::sm90_tile::stream);
+  CHECK(tile_at(deepseek, 64) == g::sm90_tile::stream);    // 512 rows over 256 experts
+  CHECK(tile_at(deepseek, 512) == g::sm90_tile::m64);      // 16
+  CHECK(tile_at(deepseek, 4096) == g::sm90_tile::m128);    // 128
+  CHECK(tile_at(deepseek, 16384) == g::sm90_tile::m128x2); // 512
+  CHECK(tile_at(qwen3, 1) == g::sm90_tile::stream);
+  CHECK(tile_at(qwen3, 64) == g::sm90_tile::stream);       // 4
+  CHECK(tile_at(qwen3, 512) == g::sm90_tile::m64);         // 32
+  CHECK(tile_at(qwen3, 4096) == g::sm90_tile::m128);       // 256
+  CHECK(tile_at(qwen3, 16384) == g::sm90_tile::m128x2);    // 1024
   // Fewer rows than experts: only `rows` experts can be active.
-  CHECK(g::wgmma_tile_for(300, 512, 2048, sms) == g::wgmma_tile::m64);
-  CHECK(g::wgmma_tile_for(0, 8, 2048, sms) == g::wgmma_tile::m64n128);
+  CHECK(g::sm90_tile_for(300, 512, 2048, sms) == g::sm90_tile::stream);
+  // 64 x 128 where GEMM1's 64 x 256 items fill at most half the SMs: 2 experts x 6 N tiles.
+  CHECK(g::sm90_tile_for(32, 2, 768, sms) == g::sm90_tile::m64n128);
+  CHECK(g::sm90_tile_for(32, 2, 14336, sms) == g::sm90_tile::m64);
 }
 
 TEST_CASE("a cluster's CTAs share one schedule tile of cluster_m x block_m rows") {
   static_assert(g::sm90_wgmma_m128x2_gemm_policy::tuning.schedule_block_m() == 256);
   static_assert(g::sm90_wgmma_gemm_policy::tuning.schedule_block_m() == 128);
   static_assert(g::sm90_gemm_policy::tuning.schedule_block_m() == 128);
-  CHECK(g::wgmma_schedule_block_m(g::wgmma_tile::m128x2) == 256);
-  CHECK(g::wgmma_schedule_block_m(g::wgmma_tile::m128) == 128);
-  CHECK(g::wgmma_schedule_block_m(g::wgmma_tile::m64) == 64);
-  CHECK(g::wgmma_schedule_block_m(g::wgmma_tile::m64n128) == 64);
-  CHECK(g::wgmma_cluster_m(g::wgmma_tile::m128x2) == 2);
-  CHECK(g::wgmma_cluster_m(g::wgmma_tile::m128) == 1);
+  CHECK(g::sm90_schedule_block_m(g::sm90_tile::m128x2) == 256);
+  CHECK(g::sm90_schedule_block_m(g::sm90_tile::m128) == 128);
+  CHECK(g::sm90_schedule_block_m(g::sm90_tile::m64) == 64);
+  CHECK(g::sm90_schedule_block_m(g::sm90_tile::m64n128) == 64);
+  CHECK(g::sm90_cluster_m(g::sm90_tile::m128x2) == 2);
+  CHECK(g::sm90_cluster_m(g::sm90_tile::m128) == 1);
   // Every forced wgmma choice is one, and names itself.
   CHECK(g::is_wgmma_choice(g::gemm_tuning_choice::sm90_wgmma_m128x2));
   CHECK(g::gemm_tuning_name(g::gemm_tuning_choice::sm90_wgmma_m128x2) == "sm90_wgmma_m128x2");
   CHECK(g::gemm_tuning_min_arch(g::gemm_tuning_choice::sm90_wgmma_m128x2) == 90);
+}
+
+TEST_CASE("the stream GEMMs: 16-row schedule tiles, any sm_80+ code, not a wgmma choice") {
+  CHECK(g::sm90_schedule_block_m(g::sm90_tile::stream) == 16);
+  CHECK(g::sm90_cluster_m(g::sm90_tile::stream) == 1);
+  static_assert(g::moe_gemm_min_block_m == g::stream_gemm_policy::tuning.schedule_block_m());
+  CHECK_FALSE(g::is_wgmma_choice(g::gemm_tuning_choice::stream));
+  CHECK(g::gemm_tuning_name(g::gemm_tuning_choice::stream) == "stream");
+  CHECK(g::gemm_tuning_min_arch(g::gemm_tuning_choice::stream) == 80);
+  // Two CTAs of 4 warps with 4 stages of 32 weight rows and 16 token rows fit an SM.
+  static_assert(g::stream_gemm_policy::tuning.smem_bytes() == 4 * 4 * 48 * 128);
 }

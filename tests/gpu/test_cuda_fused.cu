@@ -78,11 +78,11 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
   }
 };
 
-// Tunings to run on this GPU: its own, and where sm_90a code runs the mma.sync ones and every
-// wgmma tile forced too (the automatic choice there is the wgmma one, by shape).
+// Tunings to run on this GPU: its own and the stream GEMMs forced, and where sm_90a code runs
+// the mma.sync ones and every wgmma tile forced too (the automatic choice there is by shape).
 std::vector<tuning> tunings() {
   const mr::gpu::device_facts dev = mr::gpu::current_device_facts();
-  std::vector<tuning> t = {tuning::automatic};
+  std::vector<tuning> t = {tuning::automatic, tuning::stream};
   if (dev.code_arch >= 90) t.push_back(tuning::sm80);
   if (mr::gpu::wgmma_gemm_available(dev))
     t.insert(t.end(), {tuning::sm90, tuning::sm90_wgmma_m64, tuning::sm90_wgmma_m64n128, tuning::sm90_wgmma_m128,

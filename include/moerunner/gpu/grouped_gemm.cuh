@@ -174,32 +174,47 @@ constexpr int gemm_out_cols() {
   return Kind == kernels::moe_gemm_kind::gate_up ? Policy::tuning.block_n / 2 : Policy::tuning.block_n;
 }
 
+// What every mma.sync grouped GEMM launch (this one and the stream GEMM's) checks before it
+// runs: the schedule's tile rows, the code the device runs, the sizes, and no K split across CTAs.
+template <class T>
+void check_mma_gemm_launch(const kernels::moe_gemm_params<T>& p, const tile_schedule& schedule, int block_m,
+                           int min_arch, const device_facts& dev, const char* where) {
+  MOE_EXPECT(schedule.block_m == block_m, where, "the tile schedule was built for another block_m");
+  MOE_EXPECT(dev.code_arch >= min_arch, where,
+             "the grouped GEMM tuning needs code compiled for sm_" + std::to_string(min_arch) +
+                 " or newer; this device (sm_" + std::to_string(dev.arch) + ") runs code compiled for sm_" +
+                 std::to_string(dev.code_arch));
+  MOE_EXPECT(p.k > 0 && p.k % 8 == 0 && p.n > 0 && p.n % 8 == 0, where,
+             "the GEMM's n and k must be positive multiples of 8");
+  MOE_EXPECT(p.k_splits == 1 && p.store != kernels::down_store::partials, where,
+             "this grouped GEMM does not split K across CTAs");
+  MOE_EXPECT(p.raster_band >= 1, where, "raster_band must be positive");
+}
+
+// A persistent grid over the schedule's (M tile, N tile) items of `cols` output columns: as
+// many CTAs as fit the device, or as items can exist. Fills p.tiles, p.tile_count, p.n_tiles.
+template <class T>
+unsigned persistent_gemm_grid(kernels::moe_gemm_params<T>& p, const tile_schedule& schedule, int cols,
+                              int ctas_per_sm, const device_facts& dev) {
+  const std::int64_t n_tiles = (p.n + cols - 1) / cols;
+  const std::int64_t work_bound = schedule.capacity * n_tiles;
+  const std::int64_t resident = static_cast<std::int64_t>(dev.sm_count) * ctas_per_sm;
+  p.tiles = schedule.tiles;
+  p.tile_count = schedule.count;
+  p.n_tiles = static_cast<int>(n_tiles);
+  return static_cast<unsigned>(std::min<std::int64_t>({work_bound, resident, 0x7fffffff}));
+}
+
 // Launches one grouped GEMM over the schedule's tiles. `p.tiles`, `p.tile_count` and
 // `p.n_tiles` are filled here from `schedule`.
 template <class T, class Policy, kernels::moe_gemm_kind Kind>
 void launch_moe_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& schedule, const device_facts& dev,
                      cudaStream_t stream) {
-  constexpr const char* where = "gpu::launch_moe_gemm";
   constexpr grouped_gemm_tuning tuning = Policy::tuning;
-  MOE_EXPECT(schedule.block_m == tuning.block_m, where, "the tile schedule was built for another block_m");
-  MOE_EXPECT(dev.code_arch >= tuning.min_arch, where,
-             "the grouped GEMM tuning needs code compiled for sm_" + std::to_string(tuning.min_arch) +
-                 " or newer; this device (sm_" + std::to_string(dev.arch) + ") runs code compiled for sm_" +
-                 std::to_string(dev.code_arch));
-  MOE_EXPECT(p.k > 0 && p.k % 8 == 0 && p.n > 0 && p.n % 8 == 0, where,
-             "the GEMM's n and k must be positive multiples of 8");
+  check_mma_gemm_launch(p, schedule, tuning.block_m, tuning.min_arch, dev, "gpu::launch_moe_gemm");
   if (schedule.capacity == 0) return;
-  constexpr int cols = gemm_out_cols<Policy, Kind>();
-  const std::int64_t n_tiles = (p.n + cols - 1) / cols;
-  const std::int64_t work_bound = schedule.capacity * n_tiles;
-  const std::int64_t resident = static_cast<std::int64_t>(dev.sm_count) * resident_gemm_ctas<T, Policy, Kind>(dev.device);
-  const auto grid = static_cast<unsigned>(std::min<std::int64_t>({work_bound, resident, 0x7fffffff}));
-  p.tiles = schedule.tiles;
-  p.tile_count = schedule.count;
-  p.n_tiles = static_cast<int>(n_tiles);
-  MOE_EXPECT(p.k_splits == 1 && p.store != kernels::down_store::partials, where,
-             "the mma.sync grouped GEMM does not split K");
-  MOE_EXPECT(p.raster_band >= 1, where, "raster_band must be positive");
+  const unsigned grid = persistent_gemm_grid(p, schedule, gemm_out_cols<Policy, Kind>(),
+                                             resident_gemm_ctas<T, Policy, Kind>(dev.device), dev);
   kernels::moe_grouped_gemm_kernel<T, Policy, Kind><<<grid, tuning.threads(), tuning.smem_bytes(), stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_kernel");
 }

@@ -179,49 +179,94 @@ static_assert(check_wgmma_gemm_tuning(sm90_wgmma_m128x2_gemm_policy::tuning));
 static_assert(check_wgmma_gemm_tuning(sm90_wgmma_m64_gemm_policy::tuning));
 static_assert(check_wgmma_gemm_tuning(sm90_wgmma_m64n128_gemm_policy::tuning));
 static_assert(sm90_wgmma_gemm_policy::tuning.block_m == moe_gemm_block_m);
+
+// Decode GEMMs for experts that see a few rows each, where a GEMM only streams weights: the
+// weight rows are the mma.sync's M and the tile's tokens its N in blocks of 8 ("swap-AB"), so
+// a 16-row tile wastes no 64-row wgmma on one token; every warp of a CTA streams the CTA's
+// weight rows over its own part of K through a private cp.async ring (no CTA barrier in the
+// main loop), and the parts meet in shared memory for the epilogue (sm_80 and newer).
+struct stream_gemm_tuning {
+  int block_m;      // rows (tokens) of an M tile: blocks of 8, the mma's N
+  int block_n;      // weight rows of a CTA: two m16 blocks (gated: 16 gate rows, their 16 up rows)
+  int warps;        // K ranges per CTA, one per warp
+  int stages;       // each warp's ring depth, in 64-element K tiles
+  int min_arch;
+  int raster_band;  // M tiles that walk the N tiles together (see decode_work_item)
+
+  constexpr int threads() const { return 32 * warps; }
+  constexpr int schedule_block_m() const { return block_m; }
+  constexpr int stage_bytes() const { return (block_n + block_m) * 64 * 2; }
+  constexpr int smem_bytes() const { return warps * stages * stage_bytes(); }
+  friend constexpr bool operator==(const stream_gemm_tuning&, const stream_gemm_tuning&) = default;
+};
+
+consteval bool check_stream_gemm_tuning(stream_gemm_tuning t) {
+  // ldmatrix.x4 loads two 8-token blocks at a time.
+  if (t.block_m != 16 && t.block_m != 32) throw "block_m must be 16 or 32 (pairs of 8-token mma blocks)";
+  if (t.block_n != 32) throw "block_n must be 32 (two 16-row mma blocks)";
+  if (t.warps < 1 || t.warps > 8) throw "one to eight warps";
+  if (t.stages < 2) throw "a ring needs at least two stages";
+  if (t.smem_bytes() > 200 * 1024) throw "the rings do not fit in shared memory";
+  if (t.min_arch != 80 && t.min_arch != 90) throw "min_arch must be 80 or 90";
+  if (t.raster_band < 1) throw "raster_band must be positive";
+  return true;
+}
+
+// 16 tokens per tile; four warps on a quarter of K each, each with three of its four 6 KB
+// stages in flight (96 KB per CTA: two CTAs, 96 KB of weights in flight per SM).
+struct stream_gemm_policy {
+  static constexpr stream_gemm_tuning tuning{
+      .block_m = 16, .block_n = 32, .warps = 4, .stages = 4, .min_arch = 80, .raster_band = 8};
+};
+static_assert(check_stream_gemm_tuning(stream_gemm_policy::tuning));
 // The smallest M tile of any tuning: workspaces size the tile schedule for it.
-inline constexpr int moe_gemm_min_block_m = sm90_wgmma_m64_gemm_policy::tuning.block_m;
+inline constexpr int moe_gemm_min_block_m = stream_gemm_policy::tuning.block_m;
 
-// The wgmma tile for `rows` routed rows over `num_experts` experts: 64 rows when an active
-// expert averages at most 64 rows (decode; prefill over many experts); 128-row tiles in 2-CTA
-// clusters when it averages at least 512 (at 256, Qwen3-30B-A3B at 4096 tokens, the experts'
-// half-empty 256-row tiles idle one CTA of the pair too often: measured 1.2x slower than
-// single tiles), single 128-row tiles between; and 64 x 128 when GEMM1's 64 x 256
-// items (at most one M tile per active expert, I/128 N tiles) fill at most half the SMs
-// (measured: Qwen3-30B-A3B at one token, 48 items, 7% faster; DeepSeek-V3, 128 items, 7%
-// slower). A function of the shape only, so that the workspace query and the run agree.
-enum class wgmma_tile : std::uint8_t { m64, m64n128, m128, m128x2 };
+// The sm_90a kernel set's tile for `rows` routed rows over `num_experts` experts: the stream
+// GEMM (no wgmma: weights straight into mma.sync fragments) when an active expert averages at
+// most 8 rows (decode); 64-row wgmma tiles up to 64 rows (prefill over many experts); 128-row
+// tiles in 2-CTA clusters when it averages at least 512 (at 256, Qwen3-30B-A3B at 4096 tokens,
+// the experts' half-empty 256-row tiles idle one CTA of the pair too often: measured 1.2x
+// slower than single tiles), single 128-row tiles between; and 64 x 128 instead of 64 x 256
+// when GEMM1's items (at most one M tile per active expert, I/128 N tiles) fill at most half
+// the SMs. A function of the shape only, so that the workspace query and the run agree.
+enum class sm90_tile : std::uint8_t { stream, m64, m64n128, m128, m128x2 };
 
-constexpr wgmma_tile wgmma_tile_for(std::int64_t rows, int num_experts, int intermediate_size, int sm_count) {
+inline constexpr int stream_max_rows_per_expert = 8;
+
+constexpr sm90_tile sm90_tile_for(std::int64_t rows, int num_experts, int intermediate_size, int sm_count) {
   const std::int64_t active = rows < num_experts ? rows : num_experts;
-  if (active > 0 && rows >= 512 * active) return wgmma_tile::m128x2;
-  if (rows > 64 * active) return wgmma_tile::m128;
+  if (active > 0 && rows >= 512 * active) return sm90_tile::m128x2;
+  if (rows > 64 * active) return sm90_tile::m128;
+  if (rows <= stream_max_rows_per_expert * active) return sm90_tile::stream;
   const std::int64_t gemm1_items = active * ((intermediate_size + 127) / 128);
-  return 2 * gemm1_items <= sm_count ? wgmma_tile::m64n128 : wgmma_tile::m64;
+  return 2 * gemm1_items <= sm_count ? sm90_tile::m64n128 : sm90_tile::m64;
 }
 
 // Rows of one tile of the M-tile schedule the tile walks (a 2-CTA cluster shares one).
-constexpr int wgmma_schedule_block_m(wgmma_tile t) {
+constexpr int sm90_schedule_block_m(sm90_tile t) {
   switch (t) {
-    case wgmma_tile::m128: return sm90_wgmma_gemm_policy::tuning.schedule_block_m();
-    case wgmma_tile::m128x2: return sm90_wgmma_m128x2_gemm_policy::tuning.schedule_block_m();
+    case sm90_tile::stream: return stream_gemm_policy::tuning.schedule_block_m();
+    case sm90_tile::m128: return sm90_wgmma_gemm_policy::tuning.schedule_block_m();
+    case sm90_tile::m128x2: return sm90_wgmma_m128x2_gemm_policy::tuning.schedule_block_m();
     default: return sm90_wgmma_m64_gemm_policy::tuning.schedule_block_m();
   }
 }
 
 // CTAs that run one work item together.
-constexpr int wgmma_cluster_m(wgmma_tile t) {
-  return t == wgmma_tile::m128x2 ? sm90_wgmma_m128x2_gemm_policy::tuning.cluster_m : 1;
+constexpr int sm90_cluster_m(sm90_tile t) {
+  return t == sm90_tile::m128x2 ? sm90_wgmma_m128x2_gemm_policy::tuning.cluster_m : 1;
 }
 
-constexpr int wgmma_block_n(wgmma_tile t) {
-  return t == wgmma_tile::m64n128 ? sm90_wgmma_m64n128_gemm_policy::tuning.block_n
-                                  : sm90_wgmma_gemm_policy::tuning.block_n;
+// Output columns of a wgmma GEMM2 item (the stream GEMM never splits K, see its policy).
+constexpr int sm90_block_n(sm90_tile t) {
+  return t == sm90_tile::m64n128 ? sm90_wgmma_m64n128_gemm_policy::tuning.block_n
+                                 : sm90_wgmma_gemm_policy::tuning.block_n;
 }
 
 // Which tuning a run uses: the selector's choice for the device, or one forced (tests, benchmarks).
-// sm90_wgmma picks its tile by shape (wgmma_tile_for); the _m64, _m64n128, _m128 and _m128x2
-// forms force one.
+// sm90_wgmma picks its tile by shape (sm90_tile_for); the _m64, _m64n128, _m128 and _m128x2
+// forms force one, and stream forces the stream GEMM (which sm_80 code runs too).
 enum class gemm_tuning_choice : std::uint8_t {
   automatic,
   sm80,
@@ -230,7 +275,8 @@ enum class gemm_tuning_choice : std::uint8_t {
   sm90_wgmma_m64,
   sm90_wgmma_m64n128,
   sm90_wgmma_m128,
-  sm90_wgmma_m128x2
+  sm90_wgmma_m128x2,
+  stream
 };
 
 constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
@@ -243,6 +289,7 @@ constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
     case gemm_tuning_choice::sm90_wgmma_m64n128: return "sm90_wgmma_m64n128";
     case gemm_tuning_choice::sm90_wgmma_m128: return "sm90_wgmma_m128";
     case gemm_tuning_choice::sm90_wgmma_m128x2: return "sm90_wgmma_m128x2";
+    case gemm_tuning_choice::stream: return "stream";
   }
   return "?";
 }
@@ -265,6 +312,7 @@ constexpr bool is_wgmma_choice(gemm_tuning_choice c) {
 
 constexpr int gemm_tuning_min_arch(gemm_tuning_choice c) {
   if (is_wgmma_choice(c)) return sm90_wgmma_gemm_policy::tuning.min_arch;
+  if (c == gemm_tuning_choice::stream) return stream_gemm_policy::tuning.min_arch;
   return c == gemm_tuning_choice::sm90 ? sm90_gemm_policy::tuning.min_arch : sm80_gemm_policy::tuning.min_arch;
 }
 

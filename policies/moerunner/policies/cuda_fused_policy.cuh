@@ -22,12 +22,14 @@
 // reaches the host: no allocation and no host synchronization inside a run, which makes it
 // CUDA-graph capturable. The GEMM tuning is picked by gpu::select_gemm_tuning from the code
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
-// sm90 tuning, sm_80 code sm80. The wgmma kernels come with M tiles of 64 rows (two consumer
-// warpgroups splitting the weight rows, five stages) where active experts average at most 64
-// rows; with 128-row tiles in pairs of CTAs that share each weight tile by TMA multicast where
+// sm90 tuning, sm_80 code sm80. Where active experts average at most 8 rows (decode), sm_90a
+// code runs the stream GEMMs instead, which load the weights straight into mma.sync fragments
+// (no shared-memory stage; a CTA's warps split K). The wgmma kernels come with M tiles of 64
+// rows (two consumer warpgroups splitting the weight rows, five stages) where active experts
+// average at most 64 rows; with 128-row tiles in pairs of CTAs that share each weight tile by TMA multicast where
 // they average 512 or more, single 128-row tiles between; and with 64 x 128 tiles (one
 // consumer warpgroup, eight stages) where GEMM1's 64 x 256 items would leave SMs idle
-// (gpu::wgmma_tile_for). set_gemm_tuning forces one (tests, benchmarks).
+// (gpu::sm90_tile_for). set_gemm_tuning forces one (tests, benchmarks).
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
@@ -41,9 +43,9 @@
 // sets the routing plan's device-side error flag; rejecting it on the host would need a round
 // trip, which a graph-capturable backend cannot make (cublas_grouped makes it and rejects).
 //
-// Known limits: at most gpu::plan_max_experts local experts (the routing plan's bound); M
-// tiles of at least 64 rows (at decode most of a tile's MMA work is wasted; the weight stream
-// is what costs there).
+// Known limits: at most gpu::plan_max_experts local experts (the routing plan's bound); the
+// stream GEMMs run M tiles of 16 rows as two mma blocks of 8 tokens (a tile with one token
+// wastes 7/8 of its MMA work; the weight stream is what costs there).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -74,6 +76,7 @@
 #include "moerunner/gpu/plan_schedule.cuh"
 #include "moerunner/gpu/routing_plan.hpp"
 #include "moerunner/gpu/sm90_grouped_gemm_wgmma.cuh"
+#include "moerunner/gpu/stream_gemm.cuh"
 #include "moerunner/runner/validate.hpp"
 
 namespace moerunner {
@@ -170,15 +173,20 @@ class cuda_fused_policy {
 
     const bool bf16 = type == dtype::bf16;
     const cudaStream_t s = stream_ref.get();
-    if (wgmma) {
-      switch (wgmma_tile(choice, m, dev.sm_count)) {
-        case gpu::wgmma_tile::m64:
+    if (choice == gpu::gemm_tuning_choice::stream) {
+      run_pipeline<gpu::stream_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
+    } else if (wgmma) {
+      switch (sm90_tile(choice, m, dev.sm_count)) {
+        case gpu::sm90_tile::stream:
+          run_pipeline<gpu::stream_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
+          break;
+        case gpu::sm90_tile::m64:
           run_pipeline<gpu::sm90_wgmma_m64_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
           break;
-        case gpu::wgmma_tile::m64n128:
+        case gpu::sm90_tile::m64n128:
           run_pipeline<gpu::sm90_wgmma_m64n128_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
           break;
-        case gpu::wgmma_tile::m128x2:
+        case gpu::sm90_tile::m128x2:
           run_pipeline<gpu::sm90_wgmma_m128x2_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
           break;
         default: run_pipeline<gpu::sm90_wgmma_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits); break;
@@ -212,13 +220,14 @@ class cuda_fused_policy {
     return cfg_.deterministic() ? kernels::down_store::rows : kernels::down_store::accumulate;
   }
 
-  // The wgmma tile: forced, or by shape (gpu::wgmma_tile_for).
-  gpu::wgmma_tile wgmma_tile(gpu::gemm_tuning_choice choice, std::int64_t num_tokens, int sm_count) const {
-    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m64) return gpu::wgmma_tile::m64;
-    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m64n128) return gpu::wgmma_tile::m64n128;
-    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m128) return gpu::wgmma_tile::m128;
-    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m128x2) return gpu::wgmma_tile::m128x2;
-    return gpu::wgmma_tile_for(num_tokens * cfg_.top_k(), cfg_.num_local_experts(), cfg_.intermediate_size(),
+  // The tile of the sm_90a kernel set: forced, or by shape (gpu::sm90_tile_for).
+  gpu::sm90_tile sm90_tile(gpu::gemm_tuning_choice choice, std::int64_t num_tokens, int sm_count) const {
+    if (choice == gpu::gemm_tuning_choice::stream) return gpu::sm90_tile::stream;
+    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m64) return gpu::sm90_tile::m64;
+    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m64n128) return gpu::sm90_tile::m64n128;
+    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m128) return gpu::sm90_tile::m128;
+    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m128x2) return gpu::sm90_tile::m128x2;
+    return gpu::sm90_tile_for(num_tokens * cfg_.top_k(), cfg_.num_local_experts(), cfg_.intermediate_size(),
                                sm_count);
   }
 
@@ -228,12 +237,13 @@ class cuda_fused_policy {
   int down_k_splits(std::int64_t num_tokens, int sm_count) const {
     if (cfg_.no_combine() || num_tokens <= 0) return 1;
     const std::int64_t slots = num_tokens * cfg_.top_k();
-    const gpu::wgmma_tile tile = wgmma_tile(tuning_, num_tokens, sm_count);
+    const gpu::sm90_tile tile = sm90_tile(tuning_, num_tokens, sm_count);
+    if (tile == gpu::sm90_tile::stream) return 1;  // its CTAs split K among their warps only
     const std::int64_t tile_bound =
-        std::min(gpu::moe_m_tile_capacity(slots, cfg_.num_local_experts(), gpu::wgmma_schedule_block_m(tile)), slots);
+        std::min(gpu::moe_m_tile_capacity(slots, cfg_.num_local_experts(), gpu::sm90_schedule_block_m(tile)), slots);
     // A cluster's CTAs run one item together: the items fill sm_count / cluster places.
     return gpu::wgmma_down_k_splits(tile_bound, cfg_.hidden_size(), cfg_.intermediate_size(),
-                                    sm_count / gpu::wgmma_cluster_m(tile), gpu::wgmma_block_n(tile));
+                                    sm_count / gpu::sm90_cluster_m(tile), gpu::sm90_block_n(tile));
   }
 
   pieces layout(std::int64_t num_tokens, int splits) const {
@@ -268,9 +278,12 @@ class cuda_fused_policy {
                    const gpu::device_facts& dev, cudaStream_t stream) const {
     kernels::moe_gemm_params<T> p = g;
     p.raster_band = raster_band<GemmPolicy>();
-    if constexpr (std::is_same_v<std::remove_cv_t<decltype(GemmPolicy::tuning)>, gpu::wgmma_gemm_tuning>)
+    using tuning_t = std::remove_cv_t<decltype(GemmPolicy::tuning)>;
+    if constexpr (std::is_same_v<tuning_t, gpu::wgmma_gemm_tuning>)
       gpu::launch_moe_gemm_wgmma<T, Kind, GemmPolicy>(p, cfg_.num_local_experts(), schedule, dev, stream,
                                                       dependent_launch_);
+    else if constexpr (std::is_same_v<tuning_t, gpu::stream_gemm_tuning>)
+      gpu::launch_moe_stream_gemm<T, GemmPolicy, Kind>(p, schedule, dev, stream, dependent_launch_);
     else gpu::launch_moe_gemm<T, GemmPolicy, Kind>(p, schedule, dev, stream);
   }
 

@@ -1,0 +1,249 @@
+// Device code of the fused backend's decode GEMMs, over the same M-tile schedule, parameters
+// and epilogue targets as the grouped GEMMs (kernel_grouped_gemm.cuh):
+//
+//   moe_stream_gemm_kernel<T, Policy, kind>: persistent CTAs stride over (M tile, N tile) items;
+//     a CTA's 32 weight rows are the mma.sync's M ("swap-AB") and its tile's tokens the mma's N
+//     in blocks of 8; each warp walks its own part of K through a private cp.async ring, and
+//     the parts meet in shared memory for the epilogue (activation into act, or GEMM2's store
+//     or atomic add).
+//
+// Why this shape: where an expert sees a handful of rows, the GEMM is a weight stream, and
+// what it needs is many bytes in flight per SM with nothing between a load and the next one.
+// A warp-private ring needs no CTA barrier in the main loop, and async copies hold no
+// registers, so each warp keeps stages - 1 K tiles of its rows in flight whatever the compiler
+// schedules (loads into registers were interleaved with the mma that use them).
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/kernels/kernel_stream_gemm.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "moerunner/gpu/grouped_gemm_tuning.hpp"
+#include "moerunner/kernels/activation_math.cuh"
+#include "moerunner/kernels/kernel_grouped_gemm.cuh"
+#include "moerunner/kernels/pdl.cuh"
+
+namespace moerunner::kernels {
+
+template <class T, class Policy, moe_gemm_kind Kind>
+struct moe_stream_gemm {
+  static constexpr gpu::stream_gemm_tuning tuning = Policy::tuning;
+  static constexpr int warps = tuning.warps, threads = tuning.threads(), stages = tuning.stages;
+  static constexpr int bm = tuning.block_m, bn = tuning.block_n, bk = 64;
+  static constexpr int stage_elems = (bn + bm) * bk;  // weight rows, then token rows
+  // Gated: m16 block 0 holds the gate rows of 16 output columns, block 1 their up rows.
+  static constexpr bool gated = Kind == moe_gemm_kind::gate_up;
+  static constexpr int out_cols = gated ? bn / 2 : bn;
+  static constexpr int token_blocks = bm / 8;
+  // 16-byte pieces of a stage: 8 per 128-byte row; each lane copies every 32nd.
+  static constexpr int copies = (bn + bm) * 8 / 32;
+  // Partial sums [warp][token][row], rows padded so that a warp's stores spread over the banks.
+  static constexpr int red_stride = bn + 4;
+  static constexpr int red_floats = warps * bm * red_stride;
+  static constexpr int out_vectors = bm * out_cols / 8;
+
+  static_assert(gpu::check_stream_gemm_tuning(tuning));
+  static_assert(sizeof(T) == 2, "the tile layout is written for 16-bit elements");
+  static_assert(out_vectors <= threads, "the epilogue gives each thread at most one 8-column vector");
+
+  // Source row of stage row `r` (weight rows, then token rows), or null past the GEMM or tile.
+  __device__ __forceinline__ static const T* source_row(const moe_gemm_params<T>& p, const gpu::moe_m_tile& tile,
+                                                        int n0, int r) {
+    if (r < bn) {
+      const int col = n0 + (gated ? r % 16 : r);
+      if (col >= p.n) return nullptr;
+      const std::int64_t row = (gated ? static_cast<std::int64_t>(r / 16) * p.n : 0) + col;
+      return p.b + (static_cast<std::int64_t>(tile.expert) * p.b_rows_per_expert + row) * p.k;
+    }
+    const int t = r - bn;
+    if (t >= tile.row_end - tile.row_begin) return nullptr;
+    const int row = tile.row_begin + t;
+    const std::int64_t src = Kind == moe_gemm_kind::down ? row : p.row_to_slot[row] / p.top_k;
+    return p.a + src * p.k;
+  }
+
+  // The cp.async copies of K tile `kt` into `stage`: pieces past K or of a null row read as zeros.
+  // `p_any` is any valid address: a copy that reads nothing still names one.
+  __device__ __forceinline__ static void load_stage(T* stage, const T* const (&src)[copies], const T* p_any, int kt,
+                                                    int k, int lane) {
+    const int piece = lane & 7, kcol = kt * bk + piece * 8;
+#pragma unroll
+    for (int i = 0; i < copies; ++i) {
+      const int r = i * 4 + (lane >> 3);
+      const bool ok = src[i] != nullptr && kcol < k;  // k is a multiple of 8: a piece is wholly in or out
+      cp_async_16(smem_address(stage + r * bk + swizzled_chunk<bk>(r, piece) * 8), ok ? src[i] + kcol : p_any, ok);
+    }
+  }
+
+  // Four k16 steps: A (weight rows) and B (tokens, stored [n][k]) by ldmatrix as the grouped
+  // GEMM reads its tiles.
+  __device__ __forceinline__ static void compute_stage(const T* stage, int lane, int used_blocks,
+                                                       float (&acc)[2][token_blocks][4]) {
+    const T* sw = stage;
+    const T* sx = stage + bn * bk;
+#pragma unroll
+    for (int kk = 0; kk < bk / 16; ++kk) {
+      std::uint32_t a[2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const int r = m * 16 + (lane & 15);
+        ldmatrix_x4(a[m], smem_address(sw + r * bk + swizzled_chunk<bk>(r, kk * 2 + (lane >> 4)) * 8));
+      }
+#pragma unroll
+      for (int j = 0; j < token_blocks; j += 2) {
+        if (j >= used_blocks) continue;
+        const int r = j * 8 + (lane & 7) + ((lane >> 4) << 3);
+        std::uint32_t x[4];
+        ldmatrix_x4(x, smem_address(sx + r * bk + swizzled_chunk<bk>(r, kk * 2 + ((lane >> 3) & 1)) * 8));
+        const std::uint32_t b0[2] = {x[0], x[1]}, b1[2] = {x[2], x[3]};
+        mma_16816<T>::run(acc[0][j], a[0], b0);
+        mma_16816<T>::run(acc[1][j], a[1], b0);
+        if (j + 1 < used_blocks) {
+          mma_16816<T>::run(acc[0][j + 1], a[0], b1);
+          mma_16816<T>::run(acc[1][j + 1], a[1], b1);
+        }
+      }
+    }
+  }
+
+  // One item: every warp accumulates its K range, then the CTA sums the ranges and stores.
+  __device__ __forceinline__ static void run(T* ring, float* red, const moe_gemm_params<T>& p,
+                                             const gpu::moe_m_tile& tile, int n_tile) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tile_rows = tile.row_end - tile.row_begin;  // 1..bm
+    const int used_blocks = (tile_rows + 7) / 8;
+    const int n0 = n_tile * out_cols;
+    T* my_ring = ring + warp * stages * stage_elems;
+
+    const T* src[copies];
+#pragma unroll
+    for (int i = 0; i < copies; ++i) src[i] = source_row(p, tile, n0, i * 4 + (lane >> 3));
+
+    float acc[2][token_blocks][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int j = 0; j < token_blocks; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[m][j][q] = 0.0f;
+
+    // This warp's K tiles, as even a share as integer division gives. Ring discipline as the
+    // grouped GEMM's, per warp: stages - 1 tiles in flight, groups committed even when empty;
+    // the __syncwarp after the wait makes every lane's copies visible and orders the previous
+    // tile's ldmatrix reads before the copies that overwrite it.
+    const int k_tiles = (p.k + bk - 1) / bk;
+    int kt_begin = 0, kt_end = 0;
+    split_k_range(k_tiles, warp, warps, kt_begin, kt_end);
+    const int n = kt_end - kt_begin;
+#pragma unroll
+    for (int s = 0; s < stages - 1; ++s) {
+      if (s < n) load_stage(my_ring + s * stage_elems, src, p.b, kt_begin + s, p.k, lane);
+      cp_async_commit();
+    }
+    for (int i = 0; i < n; ++i) {
+      cp_async_wait<stages - 2>();
+      __syncwarp();
+      const int next = i + stages - 1;
+      if (next < n) load_stage(my_ring + (next % stages) * stage_elems, src, p.b, kt_begin + next, p.k, lane);
+      cp_async_commit();
+      compute_stage(my_ring + (i % stages) * stage_elems, lane, used_blocks, acc);
+    }
+    cp_async_wait<0>();  // only empty groups are left; the ring is reused by the next item
+    __syncwarp();
+
+    // Partial sums to shared memory: accumulator q of (block m, tokens j) is weight row
+    // m*16 + g (+8 for q >= 2), token j*8 + 2t (+1 for odd q), g = lane / 4, t = lane % 4.
+    const int g = lane >> 2, t = lane & 3;
+    float* mine = red + warp * bm * red_stride;
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int j = 0; j < token_blocks; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          mine[(j * 8 + 2 * t + (q & 1)) * red_stride + m * 16 + g + (q >> 1) * 8] = acc[m][j][q];
+    __syncthreads();
+    if (threadIdx.x < out_vectors) store(red, p, tile, n0, tile_rows, threadIdx.x);
+    // The next item overwrites the partial sums.
+    __syncthreads();
+  }
+
+  // Eight outputs of one token: the warps' sums of local rows [c, c + 8).
+  __device__ __forceinline__ static void sum8(float (&v)[8], const float* red, int token, int c) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < warps; ++w) {
+      float part[8];
+      load8(part, red + (w * bm + token) * red_stride + c);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] += part[e];
+    }
+  }
+
+  __device__ __forceinline__ static void store(const float* red, const moe_gemm_params<T>& p,
+                                               const gpu::moe_m_tile& tile, int n0, int tile_rows, int vector) {
+    constexpr int vecs_per_token = out_cols / 8;
+    const int token = vector / vecs_per_token, c = (vector % vecs_per_token) * 8;
+    const int col = n0 + c;
+    if (token >= tile_rows || col >= p.n) return;  // n is a multiple of 8: a vector is wholly in or out
+    const int row = tile.row_begin + token;
+    float v[8];
+    sum8(v, red, token, c);
+    if constexpr (Kind == moe_gemm_kind::down) {
+      const down_target<T> target = down_target<T>::at(p, row);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] *= target.factor;
+      const std::uint32_t packed[4] = {mma_16816<T>::pack2(v[0], v[1]), mma_16816<T>::pack2(v[2], v[3]),
+                                       mma_16816<T>::pack2(v[4], v[5]), mma_16816<T>::pack2(v[6], v[7])};
+      if (p.store == down_store::accumulate) atomic_add8(target.dst + col, packed);
+      else *reinterpret_cast<uint4*>(target.dst + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    } else {
+      // act(W (w x)) = act(w (W x)): the router weight scales the f32 sums instead of x.
+      const float scale = p.input_weights != nullptr ? p.input_weights[p.row_to_slot[row]] : 1.0f;
+      if constexpr (gated) {
+        float u[8];
+        sum8(u, red, token, c + 16);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = apply_activation(p.act, true, v[e] * scale, u[e] * scale);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = apply_activation(p.act, false, v[e] * scale, 0.0f);
+      }
+      *reinterpret_cast<uint4*>(p.c + static_cast<std::int64_t>(row) * p.n + col) =
+          make_uint4(mma_16816<T>::pack2(v[0], v[1]), mma_16816<T>::pack2(v[2], v[3]),
+                     mma_16816<T>::pack2(v[4], v[5]), mma_16816<T>::pack2(v[6], v[7]));
+    }
+  }
+};
+
+// Persistent CTAs over (M tile, N tile) items in decode_work_item's order; K is split among a
+// CTA's warps only. As the other GEMMs, GEMM1 zeroes the output GEMM2 adds into (p.clear).
+template <class T, class Policy, moe_gemm_kind Kind>
+__global__ void __launch_bounds__(Policy::tuning.threads()) moe_stream_gemm_kernel(const moe_gemm_params<T> p) {
+  if constexpr (compiled_sm < Policy::tuning.min_arch) {
+    __trap();
+  } else {
+    using tile_t = moe_stream_gemm<T, Policy, Kind>;
+    __shared__ __align__(16) float red[tile_t::red_floats];
+    extern __shared__ __align__(128) unsigned char stream_smem_raw[];
+    T* ring = reinterpret_cast<T*>(stream_smem_raw);
+    // Launched as a programmatic dependent of the kernel before it: everything here reads its output.
+    wait_for_prior_grids();
+    allow_dependent_grids();
+    if constexpr (Kind != moe_gemm_kind::down) clear_output(p, static_cast<int>(threadIdx.x), tile_t::threads);
+    const int tiles = *p.tile_count;
+    const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles;
+    for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, 1, p.raster_band);
+      tile_t::run(ring, red, p, p.tiles[item.m_tile], item.n_tile);
+    }
+  }
+}
+
+}  // namespace moerunner::kernels
