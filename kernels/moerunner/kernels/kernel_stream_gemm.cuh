@@ -111,66 +111,95 @@ struct moe_stream_gemm {
     }
   }
 
-  // One item: every warp accumulates its K range, then the CTA sums the ranges and stores.
-  __device__ __forceinline__ static void run(T* ring, float* red, const moe_gemm_params<T>& p,
-                                             const gpu::moe_m_tile& tile, int n_tile) {
+  // Work item w of the grid: its M tile and the first output column of its N tile.
+  struct item_ref {
+    gpu::moe_m_tile tile;
+    int n0;
+  };
+  __device__ __forceinline__ static item_ref item_at(const moe_gemm_params<T>& p, int tiles, std::int64_t w) {
+    const moe_work_item it = decode_work_item(w, tiles, p.n_tiles, 1, p.raster_band);
+    return {p.tiles[it.m_tile], it.n_tile * out_cols};
+  }
+
+  // A warp's copies, stages - 1 K tiles ahead of its mma: the CTA's items form one sequence of
+  // n K tiles each (the warp's part of K is the same in every item), so the next item's first
+  // tiles are in flight while this one's partial sums are reduced and stored.
+  struct loader {
+    const T* src[copies];
+    std::int64_t item = -1;  // the CTA-local item src[] points into
+
+    // Issues tile g of the sequence (nothing past `total`) and commits a group either way.
+    __device__ __forceinline__ void issue(const moe_gemm_params<T>& p, int tiles, T* ring, std::int64_t g, int n,
+                                          std::int64_t total, int kt_begin, int lane) {
+      if (g < total) {
+        const std::int64_t j = g / n;
+        if (j != item) {
+          item = j;
+          const item_ref r = item_at(p, tiles, blockIdx.x + j * gridDim.x);
+#pragma unroll
+          for (int i = 0; i < copies; ++i) src[i] = source_row(p, r.tile, r.n0, i * 4 + (lane >> 3));
+        }
+        load_stage(ring + static_cast<int>(g % stages) * stage_elems, src, p.b, kt_begin + static_cast<int>(g % n),
+                   p.k, lane);
+      }
+      cp_async_commit();
+    }
+  };
+
+  // Every item of this CTA: each warp accumulates its K range, then the CTA sums the ranges
+  // and stores. Ring discipline as the grouped GEMM's, per warp: stages - 1 tiles in flight,
+  // groups committed even when empty; the __syncwarp after the wait makes every lane's copies
+  // visible and orders the ldmatrix reads of the tile before the copies that overwrite it.
+  __device__ __forceinline__ static void run(T* ring, float* red, const moe_gemm_params<T>& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int tile_rows = tile.row_end - tile.row_begin;  // 1..bm
-    const int used_blocks = (tile_rows + 7) / 8;
-    const int n0 = n_tile * out_cols;
+    const int tiles = *p.tile_count;
+    const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles;
+    const std::int64_t items = blockIdx.x < work ? (work - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    int kt_begin = 0, kt_end = 0;
+    split_k_range((p.k + bk - 1) / bk, warp, warps, kt_begin, kt_end);  // as even as integer division gives
+    const int n = kt_end - kt_begin;
+    const std::int64_t total = items * n;
     T* my_ring = ring + warp * stages * stage_elems;
 
-    const T* src[copies];
+    loader ld;
 #pragma unroll
-    for (int i = 0; i < copies; ++i) src[i] = source_row(p, tile, n0, i * 4 + (lane >> 3));
+    for (int s = 0; s < stages - 1; ++s) ld.issue(p, tiles, my_ring, s, n, total, kt_begin, lane);
+    for (std::int64_t j = 0; j < items; ++j) {
+      const item_ref r = item_at(p, tiles, blockIdx.x + j * gridDim.x);
+      const int tile_rows = r.tile.row_end - r.tile.row_begin;  // 1..bm
+      const int used_blocks = (tile_rows + 7) / 8;
+      float acc[2][token_blocks][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int b = 0; b < token_blocks; ++b)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[m][b][q] = 0.0f;
+      for (int i = 0; i < n; ++i) {
+        const std::int64_t g = j * n + i;
+        cp_async_wait<stages - 2>();
+        __syncwarp();
+        ld.issue(p, tiles, my_ring, g + stages - 1, n, total, kt_begin, lane);
+        compute_stage(my_ring + static_cast<int>(g % stages) * stage_elems, lane, used_blocks, acc);
+      }
 
-    float acc[2][token_blocks][4];
+      // Partial sums to shared memory: accumulator q of (block m, tokens b) is weight row
+      // m*16 + lane/4 (+8 for q >= 2), token b*8 + 2*(lane%4) (+1 for odd q).
+      float* mine = red + warp * bm * red_stride;
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+      for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int j = 0; j < token_blocks; ++j)
+        for (int b = 0; b < token_blocks; ++b)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) acc[m][j][q] = 0.0f;
-
-    // This warp's K tiles, as even a share as integer division gives. Ring discipline as the
-    // grouped GEMM's, per warp: stages - 1 tiles in flight, groups committed even when empty;
-    // the __syncwarp after the wait makes every lane's copies visible and orders the previous
-    // tile's ldmatrix reads before the copies that overwrite it.
-    const int k_tiles = (p.k + bk - 1) / bk;
-    int kt_begin = 0, kt_end = 0;
-    split_k_range(k_tiles, warp, warps, kt_begin, kt_end);
-    const int n = kt_end - kt_begin;
-#pragma unroll
-    for (int s = 0; s < stages - 1; ++s) {
-      if (s < n) load_stage(my_ring + s * stage_elems, src, p.b, kt_begin + s, p.k, lane);
-      cp_async_commit();
+          for (int q = 0; q < 4; ++q)
+            mine[(b * 8 + 2 * (lane & 3) + (q & 1)) * red_stride + m * 16 + (lane >> 2) + (q >> 1) * 8] =
+                acc[m][b][q];
+      __syncthreads();
+      if (threadIdx.x < out_vectors) store(red, p, r.tile, r.n0, tile_rows, threadIdx.x);
+      // The next item overwrites the partial sums.
+      __syncthreads();
     }
-    for (int i = 0; i < n; ++i) {
-      cp_async_wait<stages - 2>();
-      __syncwarp();
-      const int next = i + stages - 1;
-      if (next < n) load_stage(my_ring + (next % stages) * stage_elems, src, p.b, kt_begin + next, p.k, lane);
-      cp_async_commit();
-      compute_stage(my_ring + (i % stages) * stage_elems, lane, used_blocks, acc);
-    }
-    cp_async_wait<0>();  // only empty groups are left; the ring is reused by the next item
-    __syncwarp();
-
-    // Partial sums to shared memory: accumulator q of (block m, tokens j) is weight row
-    // m*16 + g (+8 for q >= 2), token j*8 + 2t (+1 for odd q), g = lane / 4, t = lane % 4.
-    const int g = lane >> 2, t = lane & 3;
-    float* mine = red + warp * bm * red_stride;
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int j = 0; j < token_blocks; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          mine[(j * 8 + 2 * t + (q & 1)) * red_stride + m * 16 + g + (q >> 1) * 8] = acc[m][j][q];
-    __syncthreads();
-    if (threadIdx.x < out_vectors) store(red, p, tile, n0, tile_rows, threadIdx.x);
-    // The next item overwrites the partial sums.
-    __syncthreads();
+    cp_async_wait<0>();  // only empty groups are left
   }
 
   // Eight outputs of one token: the warps' sums of local rows [c, c + 8).
@@ -237,12 +266,7 @@ __global__ void __launch_bounds__(Policy::tuning.threads()) moe_stream_gemm_kern
     wait_for_prior_grids();
     allow_dependent_grids();
     if constexpr (Kind != moe_gemm_kind::down) clear_output(p, static_cast<int>(threadIdx.x), tile_t::threads);
-    const int tiles = *p.tile_count;
-    const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles;
-    for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
-      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, 1, p.raster_band);
-      tile_t::run(ring, red, p, p.tiles[item.m_tile], item.n_tile);
-    }
+    tile_t::run(ring, red, p);
   }
 }
 
