@@ -67,13 +67,15 @@ struct moe_stream_gemm {
     return p.a + src * p.k;
   }
 
-  // The cp.async copies of K tile `kt` into `stage`: pieces past K or of a null row read as zeros.
-  // `p_any` is any valid address: a copy that reads nothing still names one.
+  // The cp.async copies of K tile `kt` into `stage` for stage rows [First * 4, Last * 4) (the
+  // weight rows are copies [0, bn / 4), the token rows the rest): pieces past K or of a null row
+  // read as zeros. `p_any` is any valid address: a copy that reads nothing still names one.
+  template <int First, int Last>
   __device__ __forceinline__ static void load_stage(T* stage, const T* const (&src)[copies], const T* p_any, int kt,
                                                     int k, int lane) {
     const int piece = lane & 7, kcol = kt * bk + piece * 8;
 #pragma unroll
-    for (int i = 0; i < copies; ++i) {
+    for (int i = First; i < Last; ++i) {
       const int r = i * 4 + (lane >> 3);
       const bool ok = src[i] != nullptr && kcol < k;  // k is a multiple of 8: a piece is wholly in or out
       cp_async_16(smem_address(stage + r * bk + swizzled_chunk<bk>(r, piece) * 8), ok ? src[i] + kcol : p_any, ok);
@@ -128,28 +130,33 @@ struct moe_stream_gemm {
     const T* src[copies];
     std::int64_t item = -1;  // the CTA-local item src[] points into
 
-    // Issues tile g of the sequence (nothing past `total`) and commits a group either way.
+    // Issues copies [First, Last) of tile g of the sequence (nothing past `total`).
+    template <int First = 0, int Last = copies>
     __device__ __forceinline__ void issue(const moe_gemm_params<T>& p, int tiles, T* ring, std::int64_t g, int n,
                                           std::int64_t total, int kt_begin, int lane) {
-      if (g < total) {
-        const std::int64_t j = g / n;
-        if (j != item) {
-          item = j;
-          const item_ref r = item_at(p, tiles, blockIdx.x + j * gridDim.x);
+      if (g >= total) return;
+      const std::int64_t j = g / n;
+      if (j != item) {
+        item = j;
+        const item_ref r = item_at(p, tiles, blockIdx.x + j * gridDim.x);
 #pragma unroll
-          for (int i = 0; i < copies; ++i) src[i] = source_row(p, r.tile, r.n0, i * 4 + (lane >> 3));
-        }
-        load_stage(ring + static_cast<int>(g % stages) * stage_elems, src, p.b, kt_begin + static_cast<int>(g % n),
-                   p.k, lane);
+        for (int i = 0; i < copies; ++i) src[i] = source_row(p, r.tile, r.n0, i * 4 + (lane >> 3));
       }
-      cp_async_commit();
+      load_stage<First, Last>(ring + static_cast<int>(g % stages) * stage_elems, src, p.b,
+                              kt_begin + static_cast<int>(g % n), p.k, lane);
     }
   };
+
+  // GEMM2's weights depend on nothing GEMM1 writes, and its schedule was written before GEMM1
+  // started: launched as GEMM1's programmatic dependent, it loads its first weight tiles while
+  // GEMM1's last CTAs run, and waits for GEMM1 only before its first act rows.
+  static constexpr bool early_weights = Kind == moe_gemm_kind::down;
 
   // Every item of this CTA: each warp accumulates its K range, then the CTA sums the ranges
   // and stores. Ring discipline as the grouped GEMM's, per warp: stages - 1 tiles in flight,
   // groups committed even when empty; the __syncwarp after the wait makes every lane's copies
   // visible and orders the ldmatrix reads of the tile before the copies that overwrite it.
+
   __device__ __forceinline__ static void run(T* ring, float* red, const moe_gemm_params<T>& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tiles = *p.tile_count;
@@ -162,8 +169,25 @@ struct moe_stream_gemm {
     T* my_ring = ring + warp * stages * stage_elems;
 
     loader ld;
+    if constexpr (early_weights) {
+      // The first tiles' weights before the wait, each tile a group; their token rows after it,
+      // one more group, which the first wait below takes whole.
 #pragma unroll
-    for (int s = 0; s < stages - 1; ++s) ld.issue(p, tiles, my_ring, s, n, total, kt_begin, lane);
+      for (int s = 0; s < stages - 1; ++s) {
+        ld.template issue<0, bn / 4>(p, tiles, my_ring, s, n, total, kt_begin, lane);
+        cp_async_commit();
+      }
+      wait_for_prior_grids();
+#pragma unroll
+      for (int s = 0; s < stages - 1; ++s) ld.template issue<bn / 4, copies>(p, tiles, my_ring, s, n, total, kt_begin, lane);
+      cp_async_commit();
+    } else {
+#pragma unroll
+      for (int s = 0; s < stages - 1; ++s) {
+        ld.issue(p, tiles, my_ring, s, n, total, kt_begin, lane);
+        cp_async_commit();
+      }
+    }
     for (std::int64_t j = 0; j < items; ++j) {
       const item_ref r = item_at(p, tiles, blockIdx.x + j * gridDim.x);
       const int tile_rows = r.tile.row_end - r.tile.row_begin;  // 1..bm
@@ -177,9 +201,11 @@ struct moe_stream_gemm {
           for (int q = 0; q < 4; ++q) acc[m][b][q] = 0.0f;
       for (int i = 0; i < n; ++i) {
         const std::int64_t g = j * n + i;
-        cp_async_wait<stages - 2>();
+        if (early_weights && g == 0) cp_async_wait<0>();
+        else cp_async_wait<stages - 2>();
         __syncwarp();
         ld.issue(p, tiles, my_ring, g + stages - 1, n, total, kt_begin, lane);
+        cp_async_commit();
         compute_stage(my_ring + static_cast<int>(g % stages) * stage_elems, lane, used_blocks, acc);
       }
 
@@ -262,8 +288,9 @@ __global__ void __launch_bounds__(Policy::tuning.threads()) moe_stream_gemm_kern
     __shared__ __align__(16) float red[tile_t::red_floats];
     extern __shared__ __align__(128) unsigned char stream_smem_raw[];
     T* ring = reinterpret_cast<T*>(stream_smem_raw);
-    // Launched as a programmatic dependent of the kernel before it: everything here reads its output.
-    wait_for_prior_grids();
+    // Launched as a programmatic dependent of the kernel before it: GEMM1 reads its output (the
+    // plan) from the start; GEMM2 waits inside run, after its first weight copies.
+    if constexpr (!tile_t::early_weights) wait_for_prior_grids();
     allow_dependent_grids();
     if constexpr (Kind != moe_gemm_kind::down) clear_output(p, static_cast<int>(threadIdx.x), tile_t::threads);
     tile_t::run(ring, red, p);

@@ -22,7 +22,7 @@
 // reaches the host: no allocation and no host synchronization inside a run, which makes it
 // CUDA-graph capturable. The GEMM tuning is picked by gpu::select_gemm_tuning from the code
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
-// sm90 tuning, sm_80 code sm80. Where active experts average at most 8 rows (decode), sm_90a
+// sm90 tuning, sm_80 code sm80. Where active experts average at most 2 rows (decode), sm_90a
 // code runs the stream GEMMs instead, which load the weights straight into mma.sync fragments
 // (no shared-memory stage; a CTA's warps split K). The wgmma kernels come with M tiles of 64
 // rows (two consumer warpgroups splitting the weight rows, five stages) where active experts
@@ -102,8 +102,9 @@ class cuda_fused_policy {
   gpu::gemm_tuning_choice gemm_tuning() const noexcept { return tuning_; }
 
   // Launch-order settings, for measuring them: the M tiles per raster band (0: the tuning's),
-  // and whether the plan and the wgmma GEMMs are programmatic dependent launches (off by
-  // default: they measured 1-12% slower at decode on an H200, see bench/NOTES.md).
+  // and whether the plan and the GEMMs are programmatic dependent launches (off by default:
+  // the plan and wgmma GEMMs measured 1-12% slower at decode on an H200, see bench/NOTES.md;
+  // the stream GEMMs' GEMM2 is GEMM1's dependent either way).
   void set_raster_band(int band) {
     MOE_EXPECT(band >= 0, "cuda_fused_policy::set_raster_band", "band must be 0 (the tuning's) or positive");
     raster_band_ = band;
@@ -273,17 +274,19 @@ class cuda_fused_policy {
     return raster_band_ > 0 ? raster_band_ : GemmPolicy::tuning.raster_band;
   }
 
+  // `dependent`: launch as a programmatic dependent of the kernel before it (wgmma and stream
+  // GEMMs; the mma.sync kernel has no such launch).
   template <class T, class GemmPolicy, kernels::moe_gemm_kind Kind>
   void launch_gemm(const kernels::moe_gemm_params<T>& g, const gpu::tile_schedule& schedule,
-                   const gpu::device_facts& dev, cudaStream_t stream) const {
+                   const gpu::device_facts& dev, cudaStream_t stream, bool dependent) const {
     kernels::moe_gemm_params<T> p = g;
     p.raster_band = raster_band<GemmPolicy>();
     using tuning_t = std::remove_cv_t<decltype(GemmPolicy::tuning)>;
     if constexpr (std::is_same_v<tuning_t, gpu::wgmma_gemm_tuning>)
       gpu::launch_moe_gemm_wgmma<T, Kind, GemmPolicy>(p, cfg_.num_local_experts(), schedule, dev, stream,
-                                                      dependent_launch_);
+                                                      dependent);
     else if constexpr (std::is_same_v<tuning_t, gpu::stream_gemm_tuning>)
-      gpu::launch_moe_stream_gemm<T, GemmPolicy, Kind>(p, schedule, dev, stream, dependent_launch_);
+      gpu::launch_moe_stream_gemm<T, GemmPolicy, Kind>(p, schedule, dev, stream, dependent);
     else gpu::launch_moe_gemm<T, GemmPolicy, Kind>(p, schedule, dev, stream);
   }
 
@@ -334,10 +337,11 @@ class cuda_fused_policy {
       g1.clear = static_cast<uint4*>(out.data);
       g1.clear_vectors = static_cast<std::int64_t>(out.bytes() / sizeof(uint4));  // H % 8 == 0: whole vectors
     }
-    if (cfg_.is_gated()) launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream);
-    else launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream);
-    if (store != kernels::down_store::rows && !clear_in_gemm1)
-      MOE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, out.bytes(), stream));
+    if (cfg_.is_gated())
+      launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent_launch_);
+    else launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream, dependent_launch_);
+    const bool memset_between = store != kernels::down_store::rows && !clear_in_gemm1;
+    if (memset_between) MOE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, out.bytes(), stream));
 
     const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
     const float* row_weights = cfg_.apply_router_weight_on_input() ? nullptr : weights;
@@ -363,7 +367,11 @@ class cuda_fused_policy {
       g2.out_weights = row_weights;
       g2.out_scale = scale;
     }
-    launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream);
+    // The stream GEMM2 loads its first weights while GEMM1 drains (kernel_stream_gemm.cuh), so
+    // it is always GEMM1's programmatic dependent, unless a memset separates the two.
+    constexpr bool stream_gemm = std::is_same_v<std::remove_cv_t<decltype(tuning)>, gpu::stream_gemm_tuning>;
+    launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(
+        g2, schedule, dev, stream, dependent_launch_ || (stream_gemm && !memset_between));
 
     if (g2.store == kernels::down_store::partials)
       gpu::combine_rows(g2.partials, dtype::f32, plan, row_weights, scale, out, false, stream, splits);
