@@ -70,13 +70,13 @@ TEST_CASE("a cluster's CTAs share one schedule tile of cluster_m x block_m rows"
   CHECK(g::gemm_tuning_min_arch(g::gemm_tuning_choice::sm90_wgmma_m128x2) == 90);
 }
 
-TEST_CASE("the stream GEMMs: 16-row schedule tiles, any sm_80+ code, not a wgmma choice") {
-  CHECK(g::sm90_schedule_block_m(g::sm90_tile::stream) == 16);
+TEST_CASE("the stream GEMMs: 8-row schedule tiles, any sm_80+ code, not a wgmma choice") {
+  CHECK(g::sm90_schedule_block_m(g::sm90_tile::stream) == 8);
   CHECK(g::sm90_cluster_m(g::sm90_tile::stream) == 1);
   static_assert(g::moe_gemm_min_block_m == g::stream_gemm_policy::tuning.schedule_block_m());
   CHECK_FALSE(g::is_wgmma_choice(g::gemm_tuning_choice::stream));
   CHECK(g::gemm_tuning_name(g::gemm_tuning_choice::stream) == "stream");
   CHECK(g::gemm_tuning_min_arch(g::gemm_tuning_choice::stream) == 80);
-  // Two CTAs of 4 warps with 4 stages of 32 weight rows and 16 token rows fit an SM.
-  static_assert(g::stream_gemm_policy::tuning.smem_bytes() == 4 * 4 * 48 * 128);
+  // Three CTAs of 4 warps with 3 stages of 32 weight rows and 8 token rows fit an SM.
+  static_assert(g::stream_gemm_policy::tuning.smem_bytes() == 4 * 3 * 40 * 128);
 }

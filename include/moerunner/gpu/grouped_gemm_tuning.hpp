@@ -182,7 +182,7 @@ static_assert(sm90_wgmma_gemm_policy::tuning.block_m == moe_gemm_block_m);
 
 // Decode GEMMs for experts that see a few rows each, where a GEMM only streams weights: the
 // weight rows are the mma.sync's M and the tile's tokens its N in blocks of 8 ("swap-AB"), so
-// a 16-row tile wastes no 64-row wgmma on one token; every warp of a CTA streams the CTA's
+// an 8-row tile wastes no 64-row wgmma on one token; every warp of a CTA streams the CTA's
 // weight rows over its own part of K through a private cp.async ring (no CTA barrier in the
 // main loop), and the parts meet in shared memory for the epilogue (sm_80 and newer).
 struct stream_gemm_tuning {
@@ -201,8 +201,8 @@ struct stream_gemm_tuning {
 };
 
 consteval bool check_stream_gemm_tuning(stream_gemm_tuning t) {
-  // ldmatrix.x4 loads two 8-token blocks at a time.
-  if (t.block_m != 16 && t.block_m != 32) throw "block_m must be 16 or 32 (pairs of 8-token mma blocks)";
+  // ldmatrix.x4 loads two 8-token blocks at a time, .x2 one.
+  if (t.block_m != 8 && t.block_m != 16 && t.block_m != 32) throw "block_m must be 8, 16 or 32 (8-token mma blocks)";
   if (t.block_n != 32) throw "block_n must be 32 (two 16-row mma blocks)";
   if (t.warps < 1 || t.warps > 8) throw "one to eight warps";
   if (t.stages < 2) throw "a ring needs at least two stages";
@@ -212,11 +212,12 @@ consteval bool check_stream_gemm_tuning(stream_gemm_tuning t) {
   return true;
 }
 
-// 16 tokens per tile; four warps on a quarter of K each, each with three of its four 6 KB
-// stages in flight (96 KB per CTA: two CTAs, 96 KB of weights in flight per SM).
+// 8 tokens per tile; four warps on a quarter of K each, each with two of its three 5 KB stages
+// in flight (60 KB per CTA: three CTAs, 96 KB of weights in flight per SM, and 396 CTAs, so
+// that Qwen3-30B-A3B's 384 GEMM1 items at one token run in one wave).
 struct stream_gemm_policy {
   static constexpr stream_gemm_tuning tuning{
-      .block_m = 16, .block_n = 32, .warps = 4, .stages = 4, .min_arch = 80, .raster_band = 8};
+      .block_m = 8, .block_n = 32, .warps = 4, .stages = 3, .min_arch = 80, .raster_band = 8};
 };
 static_assert(check_stream_gemm_tuning(stream_gemm_policy::tuning));
 // The smallest M tile of any tuning: workspaces size the tile schedule for it.

@@ -56,6 +56,11 @@ __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t
                : "r"(addr));
 }
 
+// Two 8x8 matrices: lanes 0-15 give the row addresses (the others are not read).
+__device__ __forceinline__ void ldmatrix_x2(std::uint32_t (&r)[2], std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
 // The mma has no side effects, so it is not volatile: the compiler may interleave it with
 // the (volatile, smem-reading) ldmatrix of the next step.
 template <class T>

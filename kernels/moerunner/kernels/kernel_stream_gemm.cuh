@@ -96,16 +96,25 @@ struct moe_stream_gemm {
         const int r = m * 16 + (lane & 15);
         ldmatrix_x4(a[m], smem_address(sw + r * bk + swizzled_chunk<bk>(r, kk * 2 + (lane >> 4)) * 8));
       }
+      // Token blocks in pairs by ldmatrix.x4 (lanes 16-31 address the second block), a last
+      // odd one by ldmatrix.x2.
 #pragma unroll
       for (int j = 0; j < token_blocks; j += 2) {
         if (j >= used_blocks) continue;
-        const int r = j * 8 + (lane & 7) + ((lane >> 4) << 3);
-        std::uint32_t x[4];
-        ldmatrix_x4(x, smem_address(sx + r * bk + swizzled_chunk<bk>(r, kk * 2 + ((lane >> 3) & 1)) * 8));
-        const std::uint32_t b0[2] = {x[0], x[1]}, b1[2] = {x[2], x[3]};
+        const int c = kk * 2 + ((lane >> 3) & 1);
+        std::uint32_t b0[2], b1[2];
+        if constexpr (token_blocks % 2 == 0) {
+          const int r = j * 8 + (lane & 7) + ((lane >> 4) << 3);
+          std::uint32_t x[4];
+          ldmatrix_x4(x, smem_address(sx + r * bk + swizzled_chunk<bk>(r, c) * 8));
+          b0[0] = x[0], b0[1] = x[1], b1[0] = x[2], b1[1] = x[3];
+        } else {
+          const int r = j * 8 + (lane & 7);
+          ldmatrix_x2(b0, smem_address(sx + r * bk + swizzled_chunk<bk>(r, c) * 8));
+        }
         mma_16816<T>::run(acc[0][j], a[0], b0);
         mma_16816<T>::run(acc[1][j], a[1], b0);
-        if (j + 1 < used_blocks) {
+        if (token_blocks % 2 == 0 && j + 1 < used_blocks) {
           mma_16816<T>::run(acc[0][j + 1], a[0], b1);
           mma_16816<T>::run(acc[1][j + 1], a[1], b1);
         }

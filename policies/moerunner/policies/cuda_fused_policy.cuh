@@ -44,8 +44,8 @@
 // trip, which a graph-capturable backend cannot make (cublas_grouped makes it and rejects).
 //
 // Known limits: at most gpu::plan_max_experts local experts (the routing plan's bound); the
-// stream GEMMs run M tiles of 16 rows as two mma blocks of 8 tokens (a tile with one token
-// wastes 7/8 of its MMA work; the weight stream is what costs there).
+// stream GEMMs run M tiles of 8 rows as one mma block (a tile with one token wastes 7/8 of
+// its MMA work; the weight stream is what costs there).
 #pragma once
 
 #if !defined(__CUDACC__)
