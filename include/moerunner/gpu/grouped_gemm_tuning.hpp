@@ -225,7 +225,7 @@ inline constexpr int moe_gemm_min_block_m = stream_gemm_policy::tuning.block_m;
 
 // The sm_90a kernel set's tile for `rows` routed rows over `num_experts` experts: the stream
 // GEMM (no wgmma: weights straight into mma.sync fragments) when an active expert averages at
-// most 2 rows (decode); 64-row wgmma tiles up to 64 rows (prefill over many experts); 128-row
+// most 4 rows (decode); 64-row wgmma tiles up to 64 rows (prefill over many experts); 128-row
 // tiles in 2-CTA clusters when it averages at least 512 (at 256, Qwen3-30B-A3B at 4096 tokens,
 // the experts' half-empty 256-row tiles idle one CTA of the pair too often: measured 1.2x
 // slower than single tiles), single 128-row tiles between; and 64 x 128 instead of 64 x 256
@@ -233,10 +233,10 @@ inline constexpr int moe_gemm_min_block_m = stream_gemm_policy::tuning.block_m;
 // the SMs. A function of the shape only, so that the workspace query and the run agree.
 enum class sm90_tile : std::uint8_t { stream, m64, m64n128, m128, m128x2 };
 
-// Measured on an H200 (bench/NOTES.md, round 6): the stream GEMMs lead at 1-2 rows per active
-// expert, tie with 64-row wgmma tiles at 2 (DeepSeek-V3, 64 tokens) and trail from 4 (Qwen3-30B-A3B,
-// 64 tokens: 7%).
-inline constexpr int stream_max_rows_per_expert = 2;
+// Measured on an H200 (bench/NOTES.md, round 6): the stream GEMMs lead the 64-row wgmma tiles by
+// 2-8% at 1 row per active expert and by 7% at 4 (Qwen3-30B-A3B, 64 tokens), tie at 2
+// (DeepSeek-V3, 64 tokens), and trail by 1.6x at 16 (Mixtral-8x7B, 64 tokens).
+inline constexpr int stream_max_rows_per_expert = 4;
 
 constexpr sm90_tile sm90_tile_for(std::int64_t rows, int num_experts, int intermediate_size, int sm_count) {
   const std::int64_t active = rows < num_experts ? rows : num_experts;

@@ -22,7 +22,7 @@
 // reaches the host: no allocation and no host synchronization inside a run, which makes it
 // CUDA-graph capturable. The GEMM tuning is picked by gpu::select_gemm_tuning from the code
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
-// sm90 tuning, sm_80 code sm80. Where active experts average at most 2 rows (decode), sm_90a
+// sm90 tuning, sm_80 code sm80. Where active experts average at most 4 rows (decode), sm_90a
 // code runs the stream GEMMs instead, which load the weights straight into mma.sync fragments
 // (no shared-memory stage; a CTA's warps split K). The wgmma kernels come with M tiles of 64
 // rows (two consumer warpgroups splitting the weight rows, five stages) where active experts
