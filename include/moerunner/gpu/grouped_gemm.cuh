@@ -147,22 +147,21 @@ inline device_facts current_device_facts() {
 // ---------------------------------------------------------------------------------------------
 // Grouped GEMM launch
 
-// CTAs of one kernel that fit an SM, cached per device after the first launch there
-// (which also raises the kernel's dynamic shared memory limit on that device).
-template <class T, class Policy, kernels::moe_gemm_kind Kind>
-int resident_gemm_ctas(int device) {
-  constexpr grouped_gemm_tuning tuning = Policy::tuning;
+// CTAs of `Kernel` (threads and dynamic shared memory per CTA as given) that fit an SM, cached
+// per device after the first launch there (which also raises the kernel's dynamic shared
+// memory limit on that device). Errors name `where`.
+template <auto Kernel>
+int resident_ctas(int device, int threads, int smem_bytes, const char* where) {
   constexpr int cached_devices = 64;
   static std::array<std::atomic<int>, cached_devices> cache{};
   if (device >= 0 && device < cached_devices) {
     if (const int n = cache[device].load(std::memory_order_relaxed); n > 0) return n;
   }
-  const auto kernel = kernels::moe_grouped_gemm_kernel<T, Policy, Kind>;
-  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tuning.smem_bytes()));
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   int n = 0;
-  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, tuning.threads(), tuning.smem_bytes()));
-  MOE_EXPECT(n > 0, "gpu::launch_moe_gemm",
-             "the grouped GEMM tuning does not fit on this device (" + std::to_string(tuning.smem_bytes()) +
+  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, smem_bytes));
+  MOE_EXPECT(n > 0, where,
+             "the GEMM tuning does not fit on this device (" + std::to_string(smem_bytes) +
                  " bytes of shared memory per CTA)");
   if (device >= 0 && device < cached_devices) cache[device].store(n, std::memory_order_relaxed);
   return n;
@@ -213,8 +212,9 @@ void launch_moe_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& schedul
   constexpr grouped_gemm_tuning tuning = Policy::tuning;
   check_mma_gemm_launch(p, schedule, tuning.block_m, tuning.min_arch, dev, "gpu::launch_moe_gemm");
   if (schedule.capacity == 0) return;
-  const unsigned grid = persistent_gemm_grid(p, schedule, gemm_out_cols<Policy, Kind>(),
-                                             resident_gemm_ctas<T, Policy, Kind>(dev.device), dev);
+  const int per_sm = resident_ctas<kernels::moe_grouped_gemm_kernel<T, Policy, Kind>>(
+      dev.device, tuning.threads(), tuning.smem_bytes(), "gpu::launch_moe_gemm");
+  const unsigned grid = persistent_gemm_grid(p, schedule, gemm_out_cols<Policy, Kind>(), per_sm, dev);
   kernels::moe_grouped_gemm_kernel<T, Policy, Kind><<<grid, tuning.threads(), tuning.smem_bytes(), stream>>>(p);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_kernel");
 }

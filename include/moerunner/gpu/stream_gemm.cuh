@@ -7,13 +7,8 @@
 #error "moerunner/gpu/stream_gemm.cuh needs nvcc: include it from a .cu file"
 #endif
 
-#include <array>
-#include <atomic>
-#include <string>
-
 #include <cuda_runtime_api.h>
 
-#include "moerunner/core/error.hpp"
 #include "moerunner/gpu/cuda_check.hpp"
 #include "moerunner/gpu/grouped_gemm.cuh"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
@@ -21,27 +16,6 @@
 #include "moerunner/kernels/kernel_stream_gemm.cuh"
 
 namespace moerunner::gpu {
-
-// CTAs of the kernel that fit an SM, cached per device after the first launch there (which
-// also raises the kernel's dynamic shared memory limit on that device).
-template <class T, class Policy, kernels::moe_gemm_kind Kind>
-int resident_stream_ctas(int device) {
-  constexpr int cached_devices = 64;
-  static std::array<std::atomic<int>, cached_devices> cache{};
-  if (device >= 0 && device < cached_devices) {
-    if (const int n = cache[device].load(std::memory_order_relaxed); n > 0) return n;
-  }
-  const auto kernel = kernels::moe_stream_gemm_kernel<T, Policy, Kind>;
-  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Policy::tuning.smem_bytes()));
-  int n = 0;
-  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Policy::tuning.threads(),
-                                                               Policy::tuning.smem_bytes()));
-  MOE_EXPECT(n > 0, "gpu::launch_moe_stream_gemm",
-             "the stream GEMM does not fit on this device (" + std::to_string(Policy::tuning.smem_bytes()) +
-                 " bytes of shared memory per CTA)");
-  if (device >= 0 && device < cached_devices) cache[device].store(n, std::memory_order_relaxed);
-  return n;
-}
 
 // Launches one grouped GEMM of a stream tuning over the schedule's tiles (built for its
 // block_m); `p.tiles`, `p.tile_count` and `p.n_tiles` are filled here from `schedule`. K is
@@ -52,8 +26,10 @@ void launch_moe_stream_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& 
   constexpr stream_gemm_tuning tuning = Policy::tuning;
   check_mma_gemm_launch(p, schedule, tuning.schedule_block_m(), tuning.min_arch, dev, "gpu::launch_moe_stream_gemm");
   if (schedule.capacity == 0) return;
-  const unsigned grid = persistent_gemm_grid(p, schedule, kernels::moe_stream_gemm<T, Policy, Kind>::out_cols,
-                                             resident_stream_ctas<T, Policy, Kind>(dev.device), dev);
+  const int per_sm = resident_ctas<kernels::moe_stream_gemm_kernel<T, Policy, Kind>>(
+      dev.device, tuning.threads(), tuning.smem_bytes(), "gpu::launch_moe_stream_gemm");
+  const unsigned grid =
+      persistent_gemm_grid(p, schedule, kernels::moe_stream_gemm<T, Policy, Kind>::out_cols, per_sm, dev);
   launch_dependent(kernels::moe_stream_gemm_kernel<T, Policy, Kind>, dim3(grid), dim3(tuning.threads()),
                    tuning.smem_bytes(), stream, dependent_launch, p);
   MOE_CUDA_CHECK_LAUNCH("moe_stream_gemm_kernel");

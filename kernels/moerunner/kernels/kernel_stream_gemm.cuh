@@ -165,7 +165,6 @@ struct moe_stream_gemm {
   // and stores. Ring discipline as the grouped GEMM's, per warp: stages - 1 tiles in flight,
   // groups committed even when empty; the __syncwarp after the wait makes every lane's copies
   // visible and orders the ldmatrix reads of the tile before the copies that overwrite it.
-
   __device__ __forceinline__ static void run(T* ring, float* red, const moe_gemm_params<T>& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tiles = *p.tile_count;
@@ -188,7 +187,8 @@ struct moe_stream_gemm {
       }
       wait_for_prior_grids();
 #pragma unroll
-      for (int s = 0; s < stages - 1; ++s) ld.template issue<bn / 4, copies>(p, tiles, my_ring, s, n, total, kt_begin, lane);
+      for (int s = 0; s < stages - 1; ++s)
+        ld.template issue<bn / 4, copies>(p, tiles, my_ring, s, n, total, kt_begin, lane);
       cp_async_commit();
     } else {
 #pragma unroll

@@ -23,13 +23,13 @@
 // CUDA-graph capturable. The GEMM tuning is picked by gpu::select_gemm_tuning from the code
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
 // sm90 tuning, sm_80 code sm80. Where active experts average at most 4 rows (decode), sm_90a
-// code runs the stream GEMMs instead, which load the weights straight into mma.sync fragments
-// (no shared-memory stage; a CTA's warps split K). The wgmma kernels come with M tiles of 64
-// rows (two consumer warpgroups splitting the weight rows, five stages) where active experts
-// average at most 64 rows; with 128-row tiles in pairs of CTAs that share each weight tile by TMA multicast where
-// they average 512 or more, single 128-row tiles between; and with 64 x 128 tiles (one
-// consumer warpgroup, eight stages) where GEMM1's 64 x 256 items would leave SMs idle
-// (gpu::sm90_tile_for). set_gemm_tuning forces one (tests, benchmarks).
+// code runs the stream GEMMs instead: mma.sync with the weight rows as M, fed through
+// warp-private cp.async rings, a CTA's warps splitting K. The wgmma kernels come with M tiles
+// of 64 rows (two consumer warpgroups splitting the weight rows, five stages) where active
+// experts average at most 64 rows; with 128-row tiles in pairs of CTAs that share each weight
+// tile by TMA multicast where they average 512 or more, single 128-row tiles between; and with
+// 64 x 128 tiles (one consumer warpgroup, eight stages) where GEMM1's 64 x 256 items would
+// leave SMs idle (gpu::sm90_tile_for). set_gemm_tuning forces one (tests, benchmarks).
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
