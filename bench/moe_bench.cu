@@ -13,8 +13,8 @@
 // cuda_fused_m128x2 (128-row tiles in 2-CTA clusters forced), cuda_fused_stream (the stream
 // GEMMs forced, which the default picks at decode),
 // cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the default is 8) and
-// cuda_fused_pdl (programmatic dependent launches, off by default), which measure one choice
-// each.
+// cuda_fused_pdl / cuda_fused_nopdl (programmatic dependent launches on / off everywhere; by
+// default on with the stream GEMMs only), which measure one choice each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -92,7 +92,8 @@ struct backend_variant {
   bool deterministic;
   bool by_default;       // in the default list (else only through --backends)
   int raster_band = 0;   // cuda_fused: 0 = the tuning's
-  bool dependent = false;  // cuda_fused: programmatic dependent launches
+  // cuda_fused: programmatic dependent launches (unset: the policy's choice)
+  std::optional<bool> dependent = std::nullopt;
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -104,6 +105,7 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_stream", "cuda_fused", mr::gpu::gemm_tuning_choice::stream, false, false},
     {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
     {"cuda_fused_pdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, true},
+    {"cuda_fused_nopdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, false},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -568,7 +570,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
         if constexpr (requires { core.set_gemm_tuning(variant->tuning); }) {
           core.set_gemm_tuning(variant->tuning);
           core.set_raster_band(variant->raster_band);
-          core.set_dependent_launch(variant->dependent);
+          if (variant->dependent) core.set_dependent_launch(*variant->dependent);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

@@ -49,10 +49,10 @@ std::string describe(const shape& s, mr::dtype t, const options& o, tuning tu, b
          (deterministic ? " deterministic" : " atomic combine");
 }
 
-// cuda_fused's launch-order settings (defaults: the tuning's).
+// cuda_fused's launch-order settings (defaults: the tuning's; unset: the policy's).
 struct launch_settings {
   int raster_band = 0;
-  bool dependent_launch = false;
+  std::optional<bool> dependent_launch = std::nullopt;
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -71,7 +71,7 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
       if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>) {
         core.set_gemm_tuning(tu);
         core.set_raster_band(ls.raster_band);
-        core.set_dependent_launch(ls.dependent_launch);
+        if (ls.dependent_launch) core.set_dependent_launch(*ls.dependent_launch);
       }
     });
     size_workspace(p, ws_misalign);  // the K splits, and so the size, follow the tuning
@@ -225,11 +225,15 @@ TEST_CASE("cuda_fused matches the reference: raster bands forced") {
   }
 }
 
-TEST_CASE("cuda_fused matches the reference: programmatic dependent launches") {
-  const launch_settings pdl{.dependent_launch = true};
-  check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, pdl);
-  check_case({1000, 64, 8, odd_h, odd_i}, mr::dtype::bf16, {}, pdl);
-  check_case({5000, 8, 1, odd_h, odd_i}, mr::dtype::f16, {.ids = ids_kind::random_filtered}, pdl);  // plan in 3 launches
+TEST_CASE("cuda_fused matches the reference: programmatic dependent launches on and off") {
+  // Unset (the other cases), they are on with the stream GEMMs and off with the others.
+  for (bool on : {true, false}) {
+    CAPTURE(on);
+    const launch_settings ls{.dependent_launch = on};
+    check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, ls);
+    check_case({1000, 64, 8, odd_h, odd_i}, mr::dtype::bf16, {}, ls);
+    check_case({5000, 8, 1, odd_h, odd_i}, mr::dtype::f16, {.ids = ids_kind::random_filtered}, ls);  // plan in 3 launches
+  }
 }
 
 TEST_CASE("cuda_fused matches the reference: activations") {

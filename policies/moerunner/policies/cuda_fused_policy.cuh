@@ -55,6 +55,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -102,9 +103,10 @@ class cuda_fused_policy {
   gpu::gemm_tuning_choice gemm_tuning() const noexcept { return tuning_; }
 
   // Launch-order settings, for measuring them: the M tiles per raster band (0: the tuning's),
-  // and whether the plan and the GEMMs are programmatic dependent launches (off by default:
-  // the plan and wgmma GEMMs measured 1-12% slower at decode on an H200, see bench/NOTES.md;
-  // the stream GEMMs' GEMM2 is GEMM1's dependent either way).
+  // and whether the plan and the GEMMs are programmatic dependent launches. Unset, they are
+  // with the stream GEMMs (measured 7% faster on Qwen3-30B-A3B at one token, within 0.4%
+  // elsewhere) and not with the others (the plan and wgmma GEMMs measured 1-12% slower at
+  // decode on an H200; bench/NOTES.md); the stream GEMMs' GEMM2 is GEMM1's dependent either way.
   void set_raster_band(int band) {
     MOE_EXPECT(band >= 0, "cuda_fused_policy::set_raster_band", "band must be 0 (the tuning's) or positive");
     raster_band_ = band;
@@ -303,7 +305,9 @@ class cuda_fused_policy {
                     int splits) {
     constexpr auto tuning = GemmPolicy::tuning;
     static_assert(tuning.schedule_block_m() >= gpu::moe_gemm_min_block_m,
-                  "the workspace sizes the M-tile schedule for 64 rows");
+                  "the workspace sizes the M-tile schedule for the smallest tile");
+    constexpr bool stream_gemm = std::is_same_v<std::remove_cv_t<decltype(tuning)>, gpu::stream_gemm_tuning>;
+    const bool dependent = dependent_launch_.value_or(stream_gemm);
     const std::int64_t m = d.num_tokens();
     const int k = cfg_.top_k(), hidden = cfg_.hidden_size(), inter = cfg_.intermediate_size();
     const std::int64_t slots = m * k;
@@ -314,7 +318,7 @@ class cuda_fused_policy {
     const auto [plan, schedule] =
         gpu::build_routing_plan_and_schedule(d.topk.topk_ids, cfg_.num_local_experts(), tuning.schedule_block_m(),
                                              base + lay.plan, lay.plan_bytes, base + lay.schedule,
-                                             lay.schedule_bytes, stream, dependent_launch_);
+                                             lay.schedule_bytes, stream, dependent);
     T* act = reinterpret_cast<T*>(base + lay.act);
     const float* weights = d.topk.topk_weights.ptr<const float>();
     const kernels::down_store store = store_mode();
@@ -338,8 +342,8 @@ class cuda_fused_policy {
       g1.clear_vectors = static_cast<std::int64_t>(out.bytes() / sizeof(uint4));  // H % 8 == 0: whole vectors
     }
     if (cfg_.is_gated())
-      launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent_launch_);
-    else launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream, dependent_launch_);
+      launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent);
+    else launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream, dependent);
     const bool memset_between = store != kernels::down_store::rows && !clear_in_gemm1;
     if (memset_between) MOE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, out.bytes(), stream));
 
@@ -369,9 +373,8 @@ class cuda_fused_policy {
     }
     // The stream GEMM2 loads its first weights while GEMM1 drains (kernel_stream_gemm.cuh), so
     // it is always GEMM1's programmatic dependent, unless a memset separates the two.
-    constexpr bool stream_gemm = std::is_same_v<std::remove_cv_t<decltype(tuning)>, gpu::stream_gemm_tuning>;
-    launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(
-        g2, schedule, dev, stream, dependent_launch_ || (stream_gemm && !memset_between));
+    launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream,
+                                                             dependent || (stream_gemm && !memset_between));
 
     if (g2.store == kernels::down_store::partials)
       gpu::combine_rows(g2.partials, dtype::f32, plan, row_weights, scale, out, false, stream, splits);
@@ -382,7 +385,7 @@ class cuda_fused_policy {
   MoeRunnerConfig cfg_;
   gpu::gemm_tuning_choice tuning_ = gpu::gemm_tuning_choice::automatic;
   int raster_band_ = 0;
-  bool dependent_launch_ = false;
+  std::optional<bool> dependent_launch_;  // unset: by GEMM kind (see set_dependent_launch)
 };
 
 static_assert(explain_dispatch_runner_core<cuda_fused_policy>());
