@@ -230,12 +230,14 @@ inline constexpr int moe_gemm_min_block_m = stream_gemm_policy::tuning.block_m;
 // the experts' half-empty 256-row tiles idle one CTA of the pair too often: measured 1.2x
 // slower than single tiles), single 128-row tiles between; and 64 x 128 instead of 64 x 256
 // when GEMM1's items (at most one M tile per active expert, I/128 N tiles) fill at most half
-// the SMs. A function of the shape only, so that the workspace query and the run agree.
+// the SMs (round 3: 7% faster at 48 items, 7% slower at 128). A function of the shape only,
+// so that the workspace query and the run agree.
 enum class sm90_tile : std::uint8_t { stream, m64, m64n128, m128, m128x2 };
 
 // Measured on an H200 (bench/NOTES.md, round 6): the stream GEMMs lead the 64-row wgmma tiles by
-// 2-8% at 1 row per active expert and by 7% at 4 (Qwen3-30B-A3B, 64 tokens), tie at 2
-// (DeepSeek-V3, 64 tokens), and trail by 1.6x at 16 (Mixtral-8x7B, 64 tokens).
+// 5-30% at 1-2 rows per active expert (M <= 8 on the three benchmark shapes) and by 7% at 4
+// (Qwen3-30B-A3B, 64 tokens), tie at 2 with every expert active (DeepSeek-V3, 64 tokens), and
+// trail by 1.6x at 16 (Mixtral-8x7B, 64 tokens).
 inline constexpr int stream_max_rows_per_expert = 4;
 
 constexpr sm90_tile sm90_tile_for(std::int64_t rows, int num_experts, int intermediate_size, int sm_count) {
