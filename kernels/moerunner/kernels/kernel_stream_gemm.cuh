@@ -127,9 +127,12 @@ struct moe_stream_gemm {
     gpu::moe_m_tile tile;
     int n0;
   };
+  // The schedule is read from L2 (ld.global.cg): GEMM2 reads it before its programmatic wait,
+  // when only the L2 is sure to hold what the plan kernel wrote (L1 may keep an earlier run's).
   __device__ __forceinline__ static item_ref item_at(const moe_gemm_params<T>& p, int tiles, std::int64_t w) {
     const moe_work_item it = decode_work_item(w, tiles, p.n_tiles, 1, p.raster_band);
-    return {p.tiles[it.m_tile], it.n_tile * out_cols};
+    const int4 t = __ldcg(reinterpret_cast<const int4*>(p.tiles + it.m_tile));
+    return {{t.x, t.y, t.z, t.w}, it.n_tile * out_cols};
   }
 
   // A warp's copies, stages - 1 K tiles ahead of its mma: the CTA's items form one sequence of
@@ -167,7 +170,7 @@ struct moe_stream_gemm {
   // visible and orders the ldmatrix reads of the tile before the copies that overwrite it.
   __device__ __forceinline__ static void run(T* ring, float* red, const moe_gemm_params<T>& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int tiles = *p.tile_count;
+    const int tiles = __ldcg(p.tile_count);
     const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles;
     const std::int64_t items = blockIdx.x < work ? (work - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
     int kt_begin = 0, kt_end = 0;
