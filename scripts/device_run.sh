@@ -84,7 +84,24 @@ status_file=$logs/steps.tsv
 : > "$status_file"
 overall=0
 
+all_steps=(build test sanitize bench torch profile)
+IFS=, read -r -a asked <<< "$steps"
+for a in "${asked[@]}"; do
+  [[ " ${all_steps[*]} " == *" $a "* ]] || { echo "device_run: unknown step '$a' (steps: ${all_steps[*]})" >&2; exit 2; }
+done
 has_step() { [[ ",$steps," == *",$1,"* ]]; }
+# reserve_after STEP: seconds the requested steps after STEP need at least (in the order of
+# all_steps), which a step leaves them; 150 at most.
+reserve_after() {
+  local -A need=([test]=40 [sanitize]=60 [bench]=30 [torch]=15 [profile]=30)
+  local after=0 sum=0 s
+  for s in "${all_steps[@]}"; do
+    (( after )) && has_step "$s" && sum=$((sum + ${need[$s]:-0}))
+    [[ "$s" == "$1" ]] && after=1
+  done
+  (( sum > 150 )) && sum=150
+  echo "$sum"
+}
 note() { printf '[device_run %4ds] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 # record STEP RESULT DETAIL: one line per step for the summary.
 record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$status_file"; [[ "$2" == ok || "$2" == skipped ]] || overall=1; }
@@ -96,7 +113,7 @@ step_timeout() {
 # out_of_time STEP T: records STEP as skipped when fewer than 20 seconds are left for it.
 out_of_time() {
   (( $2 >= 20 )) && return 1
-  record "$1" skipped "out of time (--budget $budget); run it alone with --steps $1"
+  record "$1" skipped "out of time (--budget $budget); run it alone with --steps ${1%%[- ]*}"
   note "$1: skipped, out of time"
 }
 
@@ -150,14 +167,7 @@ if has_step build; then
   fi
   # Leave the later steps only what the requested ones need at least: a fixed reserve starved
   # the build (~85 s on 16 cores) under a small --budget that asked for few steps after it.
-  reserve=0
-  has_step test && reserve=$((reserve + 40))
-  has_step sanitize && reserve=$((reserve + 60))
-  has_step bench && reserve=$((reserve + 30))
-  has_step torch && reserve=$((reserve + 15))
-  has_step profile && reserve=$((reserve + 30))
-  (( reserve > 150 )) && reserve=150
-  t=$(step_timeout 330 "$reserve")
+  t=$(step_timeout 330 "$(reserve_after build)")
   note "build: meson setup + ninja (archs $archs, up to ${t}s)"
   {
     if [[ -f "$build/build.ninja" ]]; then  # the native file is kept from the first setup
@@ -178,7 +188,10 @@ fi
 # ---------------------------------------------------------------- tests
 if has_step test; then
   for suite in gpu cpu; do
-    t=$(step_timeout 150 150)
+    # The gpu suite leaves the cpu suite 20 s; both leave the later steps what they need.
+    extra=0
+    [[ $suite == gpu ]] && extra=20
+    t=$(step_timeout 150 $(( $(reserve_after test) + extra )))
     out_of_time "test-$suite" "$t" && continue
     note "test: meson test --suite $suite (up to ${t}s)"
     rm -f "$build/meson-logs/testlog.json"
@@ -207,7 +220,7 @@ fi
 
 # ---------------------------------------------------------------- compute-sanitizer
 if has_step sanitize; then
-  t=$(step_timeout 240 60)
+  t=$(step_timeout 240 "$(reserve_after sanitize)")
   if [[ -z "$sanitizer" ]]; then
     record sanitize skipped "compute-sanitizer not found"
   elif ! out_of_time sanitize "$t"; then
@@ -250,7 +263,7 @@ fi
 
 # ---------------------------------------------------------------- benchmark
 if has_step bench; then
-  t=$(step_timeout 300 15)
+  t=$(step_timeout 300 "$(reserve_after bench)")
   if ! out_of_time bench "$t"; then
     note "bench: moe_bench -> $results (up to ${t}s)"
     # shellcheck disable=SC2086
@@ -300,7 +313,7 @@ PY
 fi
 
 if has_step torch; then
-  t=$(step_timeout 240 10)
+  t=$(step_timeout 240 "$(reserve_after torch)")
   if out_of_time torch "$t"; then
     :
   elif [[ ! -s "$results" ]]; then
