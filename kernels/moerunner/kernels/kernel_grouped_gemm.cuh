@@ -235,6 +235,33 @@ __device__ __forceinline__ void load8(float (&v)[8], const float* src) {
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
+// The epilogue of eight outputs [col, col + 8) of row `row` (n is a multiple of 8, so they are
+// all in or all out), from their f32 sums `v` (and, gated GEMM1, the up sums `u`; ignored
+// otherwise): GEMM1 applies the activation and writes act; GEMM2 scales by its target's factor
+// and stores, or adds into its token's output row.
+template <class T, moe_gemm_kind Kind>
+__device__ __forceinline__ void store_outputs8(const moe_gemm_params<T>& p, int row, int col, float (&v)[8],
+                                               const float (&u)[8]) {
+  T* dst;
+  if constexpr (Kind == moe_gemm_kind::down) {
+    const down_target<T> t = down_target<T>::at(p, row);
+    dst = t.dst + col;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] *= t.factor;
+  } else {
+    dst = p.c + static_cast<std::int64_t>(row) * p.n + col;
+    // act(W (w x)) = act(w (W x)): the router weight scales the f32 sums instead of x.
+    const float scale = p.input_weights != nullptr ? p.input_weights[p.row_to_slot[row]] : 1.0f;
+    constexpr bool gated = Kind == moe_gemm_kind::gate_up;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = apply_activation(p.act, gated, v[j] * scale, gated ? u[j] * scale : 0.0f);
+  }
+  const std::uint32_t packed[4] = {mma_16816<T>::pack2(v[0], v[1]), mma_16816<T>::pack2(v[2], v[3]),
+                                   mma_16816<T>::pack2(v[4], v[5]), mma_16816<T>::pack2(v[6], v[7])};
+  if (Kind == moe_gemm_kind::down && p.store == down_store::accumulate) atomic_add8(dst, packed);
+  else *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
 // Where the 16-byte chunk `chunk` of smem tile row `row` lives: XOR-swizzled so that the
 // 8 rows one ldmatrix phase reads (and cp.async writes) fall in 8 different bank groups.
 template <int BlockK>
@@ -428,38 +455,11 @@ struct moe_gemm_tile {
       const int c = (item % vecs_per_row) * 8;
       const int col = n0 + c;
       if (r >= rows || col >= p.n) continue;  // n is a multiple of 8: a vector is wholly in or out
-      const int row = tile.row_begin + r;
       const float* src = cs + r * cs_stride + c;
-      float v[8];
+      float v[8], u[8];
       load8(v, src);
-      if constexpr (Kind != moe_gemm_kind::down) {
-        // act(W (w x)) = act(w (W x)): the router weight scales the f32 accumulators instead of x.
-        const float scale = p.input_weights != nullptr ? p.input_weights[p.row_to_slot[row]] : 1.0f;
-        if constexpr (Kind == moe_gemm_kind::gate_up) {
-          float u[8];
-          load8(u, src + out_cols);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) v[j] = apply_activation(p.act, true, v[j] * scale, u[j] * scale);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) v[j] = apply_activation(p.act, false, v[j] * scale, 0.0f);
-        }
-      }
-      T* dst = p.c + static_cast<std::int64_t>(row) * p.n + col;
-      if constexpr (Kind == moe_gemm_kind::down) {
-        const down_target<T> t = down_target<T>::at(p, row);
-        dst = t.dst + col;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] *= t.factor;
-        if (p.store == down_store::accumulate) {
-          const std::uint32_t packed[4] = {mma_16816<T>::pack2(v[0], v[1]), mma_16816<T>::pack2(v[2], v[3]),
-                                           mma_16816<T>::pack2(v[4], v[5]), mma_16816<T>::pack2(v[6], v[7])};
-          atomic_add8(dst, packed);
-          continue;
-        }
-      }
-      *reinterpret_cast<uint4*>(dst) = make_uint4(mma_16816<T>::pack2(v[0], v[1]), mma_16816<T>::pack2(v[2], v[3]),
-                                                  mma_16816<T>::pack2(v[4], v[5]), mma_16816<T>::pack2(v[6], v[7]));
+      if constexpr (Kind == moe_gemm_kind::gate_up) load8(u, src + out_cols);
+      store_outputs8<T, Kind>(p, tile.row_begin + r, col, v, u);
     }
     // The next tile's prologue overwrites the C tile.
     __syncthreads();

@@ -24,7 +24,6 @@
 #include <cuda_fp16.h>
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
-#include "moerunner/kernels/activation_math.cuh"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
 #include "moerunner/kernels/pdl.cuh"
 
@@ -259,33 +258,10 @@ struct moe_stream_gemm {
     const int token = vector / vecs_per_token, c = (vector % vecs_per_token) * 8;
     const int col = n0 + c;
     if (token >= tile_rows || col >= p.n) return;  // n is a multiple of 8: a vector is wholly in or out
-    const int row = tile.row_begin + token;
-    float v[8];
+    float v[8], u[8];
     sum8(v, red, token, c);
-    if constexpr (Kind == moe_gemm_kind::down) {
-      const down_target<T> target = down_target<T>::at(p, row);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] *= target.factor;
-      const std::uint32_t packed[4] = {mma_16816<T>::pack2(v[0], v[1]), mma_16816<T>::pack2(v[2], v[3]),
-                                       mma_16816<T>::pack2(v[4], v[5]), mma_16816<T>::pack2(v[6], v[7])};
-      if (p.store == down_store::accumulate) atomic_add8(target.dst + col, packed);
-      else *reinterpret_cast<uint4*>(target.dst + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    } else {
-      // act(W (w x)) = act(w (W x)): the router weight scales the f32 sums instead of x.
-      const float scale = p.input_weights != nullptr ? p.input_weights[p.row_to_slot[row]] : 1.0f;
-      if constexpr (gated) {
-        float u[8];
-        sum8(u, red, token, c + 16);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = apply_activation(p.act, true, v[e] * scale, u[e] * scale);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = apply_activation(p.act, false, v[e] * scale, 0.0f);
-      }
-      *reinterpret_cast<uint4*>(p.c + static_cast<std::int64_t>(row) * p.n + col) =
-          make_uint4(mma_16816<T>::pack2(v[0], v[1]), mma_16816<T>::pack2(v[2], v[3]),
-                     mma_16816<T>::pack2(v[4], v[5]), mma_16816<T>::pack2(v[6], v[7]));
-    }
+    if constexpr (gated) sum8(u, red, token, c + out_cols);
+    store_outputs8<T, Kind>(p, tile.row_begin + token, col, v, u);
   }
 };
 
