@@ -372,9 +372,10 @@ class cuda_fused_policy {
       g2.out_scale = scale;
     }
     // The stream GEMM2 loads its first weights while GEMM1 drains (kernel_stream_gemm.cuh), so
-    // it is always GEMM1's programmatic dependent, unless a memset separates the two.
+    // it is always GEMM1's programmatic dependent. After the inplace memset it is a plain
+    // launch whatever was asked: a programmatic launch overlaps kernels, not a memset.
     launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream,
-                                                             dependent || (stream_gemm && !memset_between));
+                                                             (dependent || stream_gemm) && !memset_between);
 
     if (g2.store == kernels::down_store::partials)
       gpu::combine_rows(g2.partials, dtype::f32, plan, row_weights, scale, out, false, stream, splits);
