@@ -14,8 +14,7 @@
 // GEMMs forced, which the default picks at decode),
 // cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the default is 8) and
 // cuda_fused_pdl / cuda_fused_nopdl (programmatic dependent launches on / off everywhere; by
-// default on with the stream GEMMs only) and cuda_fused_split (the stream GEMMs as two kernels,
-// where the default runs them as one grid), which measure one choice each.
+// default on with the stream GEMMs only), which measure one choice each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -95,7 +94,6 @@ struct backend_variant {
   int raster_band = 0;   // cuda_fused: 0 = the tuning's
   // cuda_fused: programmatic dependent launches (unset: the policy's choice)
   std::optional<bool> dependent = std::nullopt;
-  bool fused_decode = true;  // cuda_fused: the stream GEMMs as one grid
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -108,7 +106,6 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
     {"cuda_fused_pdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, true},
     {"cuda_fused_nopdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, false},
-    {"cuda_fused_split", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt, false},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -574,7 +571,6 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_gemm_tuning(variant->tuning);
           core.set_raster_band(variant->raster_band);
           if (variant->dependent) core.set_dependent_launch(*variant->dependent);
-          core.set_fused_decode(variant->fused_decode);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

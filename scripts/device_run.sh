@@ -349,7 +349,7 @@ if has_step profile; then
       note "profile: ncu over the GEMMs of $profile_backends, $shape M=$tokens (up to ${t}s)"
       log="$logs/profile-$shape-$tokens.log"
       # Each backend row runs its two GEMMs once (--once), in the order given.
-      timeout "$t" "$ncu" --clock-control none -k "regex:moe_(grouped_gemm|stream_gemm|stream_fused)" --launch-count $((2 * ${#profiled[@]})) \
+      timeout "$t" "$ncu" --clock-control none -k "regex:moe_(grouped|stream)_gemm" --launch-count $((2 * ${#profiled[@]})) \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         --section Occupancy --section LaunchStats --section WarpStateStats \
         "$build/bench/moe_bench" --once --shapes "$shape" --tokens "$tokens" --backends "$profile_backends" \
@@ -365,7 +365,7 @@ if has_step profile; then
       note "profile: stall samples per SASS instruction, first GEMM of $shape M=$tokens (up to ${t}s)"
       rep="$build/profile-$shape-$tokens"
       rm -f "$rep.ncu-rep"
-      timeout "$t" "$ncu" --clock-control none -k "regex:moe_(grouped_gemm|stream_gemm|stream_fused)" --launch-count 1 \
+      timeout "$t" "$ncu" --clock-control none -k "regex:moe_(grouped|stream)_gemm" --launch-count 1 \
         --section WarpStateStats --section SourceCounters --export "$rep" \
         "$build/bench/moe_bench" --once --shapes "$shape" --tokens "$tokens" --backends "${profiled[0]}" \
         --out "$logs/profile-$shape-$tokens-src.jsonl" > "$logs/profile-$shape-$tokens-src.log" 2>&1 &&

@@ -53,7 +53,6 @@ std::string describe(const shape& s, mr::dtype t, const options& o, tuning tu, b
 struct launch_settings {
   int raster_band = 0;
   std::optional<bool> dependent_launch = std::nullopt;
-  bool fused_decode = true;
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -73,7 +72,6 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
         core.set_gemm_tuning(tu);
         core.set_raster_band(ls.raster_band);
         if (ls.dependent_launch) core.set_dependent_launch(*ls.dependent_launch);
-        core.set_fused_decode(ls.fused_decode);
       }
     });
     size_workspace(p, ws_misalign);  // the K splits, and so the size, follow the tuning
@@ -235,19 +233,6 @@ TEST_CASE("cuda_fused matches the reference: programmatic dependent launches on 
     check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, ls);
     check_case({1000, 64, 8, odd_h, odd_i}, mr::dtype::bf16, {}, ls);
     check_case({5000, 8, 1, odd_h, odd_i}, mr::dtype::f16, {.ids = ids_kind::random_filtered}, ls);  // plan in 3 launches
-  }
-}
-
-TEST_CASE("cuda_fused matches the reference: stream GEMMs as two kernels") {
-  // The other cases run the stream GEMMs (forced, and automatic at decode) as one grid; this
-  // runs them as two launches, the path the inplace mode always takes.
-  const launch_settings ls{.fused_decode = false};
-  for (mr::dtype t : both_types) {
-    check_case({1, 8, 2, 520, 2048}, t, {}, ls);
-    check_case({7, 64, 2, odd_h, odd_i}, t, {.ids = ids_kind::random_filtered}, ls);
-    check_case({1000, 256, 8, odd_h, odd_i}, t, {}, ls);
-    check_case({33, 8, 2, odd_h, odd_i}, t, {.no_combine = true}, ls);
-    check_case({129, 8, 2, 136, 40}, t, {.gated = false}, ls);
   }
 }
 

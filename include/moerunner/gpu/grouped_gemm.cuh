@@ -35,22 +35,16 @@ inline std::int64_t moe_m_tile_capacity(std::int64_t rows, int num_experts, int 
   return (rows + block_m - 1) / block_m + num_experts;
 }
 
-// The schedule's first piece: the tiles used, then a counter the fused decode kernel counts its
-// CTAs in as they zero their share of the output (written 0 with the count).
-inline constexpr int schedule_count_words = 2;
-
 inline std::size_t tile_schedule_bytes(std::int64_t rows, int num_experts, int block_m) {
-  // The count words, then the tiles, each in its own 256-byte piece.
-  return plan_piece_bytes(schedule_count_words * sizeof(std::int32_t)) +
+  // The tile count, then the tiles, each in its own 256-byte piece.
+  return plan_piece_bytes(sizeof(std::int32_t)) +
          plan_piece_bytes(static_cast<std::size_t>(moe_m_tile_capacity(rows, num_experts, block_m)) *
                           sizeof(moe_m_tile));
 }
 
-// Pointers into the caller's workspace: the GEMMs read them, the fused decode kernel also
-// counts into the tiles' `ready` and count[1].
 struct tile_schedule {
-  moe_m_tile* tiles = nullptr;
-  std::int32_t* count = nullptr;        // device: [tiles actually used, 0]
+  const moe_m_tile* tiles = nullptr;
+  const std::int32_t* count = nullptr;  // device: tiles actually used
   std::int64_t capacity = 0;            // host: the bound the grids are sized for
   int block_m = 0;
 };
@@ -84,7 +78,7 @@ inline tile_schedule_pieces carve_tile_schedule(int num_experts, std::int64_t ro
   auto* base = static_cast<char*>(workspace);
   tile_schedule_pieces p;
   p.count = reinterpret_cast<std::int32_t*>(base);
-  p.tiles = reinterpret_cast<moe_m_tile*>(base + plan_piece_bytes(schedule_count_words * sizeof(std::int32_t)));
+  p.tiles = reinterpret_cast<moe_m_tile*>(base + plan_piece_bytes(sizeof(std::int32_t)));
   p.schedule = {p.tiles, p.count, capacity, block_m};
   return p;
 }

@@ -323,13 +323,12 @@ constexpr int gemm_tuning_min_arch(gemm_tuning_choice c) {
 }
 
 // One M tile of the grouped GEMM: rows [row_begin, row_end) of expert `expert` in
-// expert-sorted row order. 16 bytes so that a CTA reads it with one vector load. `ready` is
-// written 0 with the tile; the fused decode kernel counts the tile's finished GEMM1 items in it.
+// expert-sorted row order. 16 bytes so that a CTA reads it with one vector load.
 struct alignas(16) moe_m_tile {
   std::int32_t expert;
   std::int32_t row_begin;
   std::int32_t row_end;
-  std::int32_t ready;
+  std::int32_t unused;
 };
 
 }  // namespace moerunner::gpu

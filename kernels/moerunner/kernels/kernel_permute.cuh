@@ -57,7 +57,7 @@ struct plan_args {
   // The M-tile schedule, written too when `tiles` is set (not to be confused with the tiles of
   // slots above): as moe_tile_schedule_kernel writes it from the offsets.
   gpu::moe_m_tile* tiles = nullptr;      // [tile_capacity]
-  std::int32_t* tile_count = nullptr;    // [2]: tiles used, 0
+  std::int32_t* tile_count = nullptr;    // [1]: tiles used
   int block_m = 0;
   int tile_capacity = 0;
 };
@@ -153,10 +153,7 @@ __device__ __forceinline__ void note_schedule_bounds(const plan_args& a, int* fi
                                                      unsigned long long before) {
   first_tile[e] = packed_tiles(before);
   first_row[e] = packed_rows(before);
-  if (e == a.num_experts) {
-    a.tile_count[0] = m_tiles_used(packed_tiles(before), a.tile_capacity);
-    a.tile_count[1] = 0;  // as moe_tile_schedule_kernel writes the count words
-  }
+  if (e == a.num_experts) *a.tile_count = m_tiles_used(packed_tiles(before), a.tile_capacity);
 }
 
 // Writes both maps for the slots ranked by rank_warp_slots, given each warp's first row per

@@ -24,18 +24,10 @@
 #include <cuda_fp16.h>
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
-#include "moerunner/kernels/grid_sync.cuh"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
 #include "moerunner/kernels/pdl.cuh"
 
 namespace moerunner::kernels {
-
-// Work item w of a stream GEMM: its M tile (index and rows) and the first output column of its N tile.
-struct stream_item {
-  gpu::moe_m_tile tile;
-  int m_tile;
-  int n0;
-};
 
 template <class T, class Policy, moe_gemm_kind Kind>
 struct moe_stream_gemm {
@@ -129,13 +121,122 @@ struct moe_stream_gemm {
     }
   }
 
+  // Work item w of the grid: its M tile and the first output column of its N tile.
+  struct item_ref {
+    gpu::moe_m_tile tile;
+    int n0;
+  };
   // The schedule is read from L2 (ld.global.cg): GEMM2 reads it before its programmatic wait,
-  // when only the L2 is sure to hold what the plan kernel wrote (L1 may keep an earlier run's),
-  // and the fused kernel's GEMM1 items count into the tiles' `ready` words meanwhile.
-  __device__ __forceinline__ static stream_item item_at(const moe_gemm_params<T>& p, int tiles, std::int64_t w) {
+  // when only the L2 is sure to hold what the plan kernel wrote (L1 may keep an earlier run's).
+  __device__ __forceinline__ static item_ref item_at(const moe_gemm_params<T>& p, int tiles, std::int64_t w) {
     const moe_work_item it = decode_work_item(w, tiles, p.n_tiles, 1, p.raster_band);
     const int4 t = __ldcg(reinterpret_cast<const int4*>(p.tiles + it.m_tile));
-    return {{t.x, t.y, t.z, t.w}, it.m_tile, it.n_tile * out_cols};
+    return {{t.x, t.y, t.z, t.w}, it.n_tile * out_cols};
+  }
+
+  // A warp's copies, stages - 1 K tiles ahead of its mma: the CTA's items form one sequence of
+  // n K tiles each (the warp's part of K is the same in every item), so the next item's first
+  // tiles are in flight while this one's partial sums are reduced and stored.
+  struct loader {
+    const T* src[copies];
+    std::int64_t item = -1;  // the CTA-local item src[] points into
+
+    // Issues copies [First, Last) of tile g of the sequence (nothing past `total`).
+    template <int First = 0, int Last = copies>
+    __device__ __forceinline__ void issue(const moe_gemm_params<T>& p, int tiles, T* ring, std::int64_t g, int n,
+                                          std::int64_t total, int kt_begin, int lane) {
+      if (g >= total) return;
+      const std::int64_t j = g / n;
+      if (j != item) {
+        item = j;
+        const item_ref r = item_at(p, tiles, blockIdx.x + j * gridDim.x);
+#pragma unroll
+        for (int i = 0; i < copies; ++i) src[i] = source_row(p, r.tile, r.n0, i * 4 + (lane >> 3));
+      }
+      load_stage<First, Last>(ring + static_cast<int>(g % stages) * stage_elems, src, p.b,
+                              kt_begin + static_cast<int>(g % n), p.k, lane);
+    }
+  };
+
+  // GEMM2's weights depend on nothing GEMM1 writes, and its schedule was written before GEMM1
+  // started: launched as GEMM1's programmatic dependent, it loads its first weight tiles while
+  // GEMM1's last CTAs run, and waits for GEMM1 only before its first act rows.
+  static constexpr bool early_weights = Kind == moe_gemm_kind::down;
+
+  // Every item of this CTA: each warp accumulates its K range, then the CTA sums the ranges
+  // and stores. Ring discipline as the grouped GEMM's, per warp: stages - 1 tiles in flight,
+  // groups committed even when empty; the __syncwarp after the wait makes every lane's copies
+  // visible and orders the ldmatrix reads of the tile before the copies that overwrite it.
+  __device__ __forceinline__ static void run(T* ring, float* red, const moe_gemm_params<T>& p) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tiles = __ldcg(p.tile_count);
+    const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles;
+    const std::int64_t items = blockIdx.x < work ? (work - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    int kt_begin = 0, kt_end = 0;
+    split_k_range((p.k + bk - 1) / bk, warp, warps, kt_begin, kt_end);  // as even as integer division gives
+    const int n = kt_end - kt_begin;
+    const std::int64_t total = items * n;
+    T* my_ring = ring + warp * stages * stage_elems;
+
+    loader ld;
+    if constexpr (early_weights) {
+      // The first tiles' weights before the wait, each tile a group; their token rows after it,
+      // one more group, which the first wait below takes whole.
+#pragma unroll
+      for (int s = 0; s < stages - 1; ++s) {
+        ld.template issue<0, bn / 4>(p, tiles, my_ring, s, n, total, kt_begin, lane);
+        cp_async_commit();
+      }
+      wait_for_prior_grids();
+#pragma unroll
+      for (int s = 0; s < stages - 1; ++s)
+        ld.template issue<bn / 4, copies>(p, tiles, my_ring, s, n, total, kt_begin, lane);
+      cp_async_commit();
+    } else {
+#pragma unroll
+      for (int s = 0; s < stages - 1; ++s) {
+        ld.issue(p, tiles, my_ring, s, n, total, kt_begin, lane);
+        cp_async_commit();
+      }
+    }
+    for (std::int64_t j = 0; j < items; ++j) {
+      const item_ref r = item_at(p, tiles, blockIdx.x + j * gridDim.x);
+      const int tile_rows = r.tile.row_end - r.tile.row_begin;  // 1..bm
+      const int used_blocks = (tile_rows + 7) / 8;
+      float acc[2][token_blocks][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int b = 0; b < token_blocks; ++b)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[m][b][q] = 0.0f;
+      for (int i = 0; i < n; ++i) {
+        const std::int64_t g = j * n + i;
+        if (early_weights && g == 0) cp_async_wait<0>();
+        else cp_async_wait<stages - 2>();
+        __syncwarp();
+        ld.issue(p, tiles, my_ring, g + stages - 1, n, total, kt_begin, lane);
+        cp_async_commit();
+        compute_stage(my_ring + static_cast<int>(g % stages) * stage_elems, lane, used_blocks, acc);
+      }
+
+      // Partial sums to shared memory: accumulator q of (block m, tokens b) is weight row
+      // m*16 + lane/4 (+8 for q >= 2), token b*8 + 2*(lane%4) (+1 for odd q).
+      float* mine = red + warp * bm * red_stride;
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int b = 0; b < token_blocks; ++b)
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            mine[(b * 8 + 2 * (lane & 3) + (q & 1)) * red_stride + m * 16 + (lane >> 2) + (q >> 1) * 8] =
+                acc[m][b][q];
+      __syncthreads();
+      if (threadIdx.x < out_vectors) store(red, p, r.tile, r.n0, tile_rows, threadIdx.x);
+      // The next item overwrites the partial sums.
+      __syncthreads();
+    }
+    cp_async_wait<0>();  // only empty groups are left
   }
 
   // Eight outputs of one token: the warps' sums of local rows [c, c + 8).
@@ -164,271 +265,24 @@ struct moe_stream_gemm {
   }
 };
 
-// The flags between the fused kernel's GEMMs, in the schedule the plan wrote (zeroed there).
-struct stream_sync {
-  gpu::moe_m_tile* tiles = nullptr;  // tile t's `ready`: GEMM1 items of t finished
-  std::int32_t* cleared = nullptr;   // CTAs that have zeroed their share of the output
-};
-
-// The fused decode kernel's arguments: GEMM1 and GEMM2 over one schedule.
-template <class T>
-struct moe_stream_fused_params {
-  moe_gemm_params<T> up;    // gate_up or up_only
-  moe_gemm_params<T> down;  // its store as the standalone GEMM2's
-  stream_sync sync;
-};
-
-// A CTA's walk over its items, each warp over its part of K in every item: the items of the
-// GEMM of kind First, then, when Fused, GEMM2's items, which read act rows that GEMM1 items of
-// the same grid write. A GEMM2 item's weights need nothing, so its first tiles' weights are
-// copied ahead ("pending" stages), and its act rows only once its gate is open: the prior
-// grids finished (standalone GEMM2, a programmatic dependent of GEMM1), or every GEMM1 item of
-// its M tile counted in the tile's `ready` (fused).
-template <class T, class Policy, moe_gemm_kind First, bool Fused>
-struct moe_stream_runner {
-  using first_t = moe_stream_gemm<T, Policy, First>;
-  using down_t = moe_stream_gemm<T, Policy, moe_gemm_kind::down>;
-  static constexpr int warps = first_t::warps, stages = first_t::stages, bk = first_t::bk, bn = first_t::bn,
-                       bm = first_t::bm, stage_elems = first_t::stage_elems, copies = first_t::copies,
-                       token_blocks = first_t::token_blocks, red_stride = first_t::red_stride;
-  static_assert(!Fused || First != moe_gemm_kind::down, "the fused kernel runs GEMM1 first");
-  static_assert(stages <= 32, "pending stages are bits of a word");
-  // Which items read act only behind a gate.
-  static constexpr bool gated_first = First == moe_gemm_kind::down;
-
-  // The CTA's items j < j1 are the first GEMM's (n1 K tiles per warp from kt1), the rest
-  // GEMM2's (n2 from kt2); g numbers the warp's K tiles over all of them.
-  struct walk {
-    int tiles;
-    std::int64_t first_items;  // the first GEMM's items over the grid
-    std::int64_t items, j1, total;
-    int n1, kt1, n2, kt2;
-    __device__ __forceinline__ std::int64_t start_of(std::int64_t j) const {
-      return j < j1 ? j * n1 : j1 * n1 + (j - j1) * n2;
-    }
-    __device__ __forceinline__ std::int64_t item_of(std::int64_t g) const {
-      const std::int64_t g1 = j1 * n1;
-      return g < g1 ? g / n1 : j1 + (g - g1) / n2;
-    }
-  };
-
-  __device__ __forceinline__ static walk make_walk(const moe_gemm_params<T>& pf, const moe_gemm_params<T>& pd,
-                                                   int tiles, int warp) {
-    walk w;
-    w.tiles = tiles;
-    const std::int64_t b = blockIdx.x, grid = gridDim.x;
-    w.first_items = static_cast<std::int64_t>(tiles) * pf.n_tiles;
-    const std::int64_t work = w.first_items + (Fused ? static_cast<std::int64_t>(tiles) * pd.n_tiles : 0);
-    w.items = b < work ? (work - b + grid - 1) / grid : 0;
-    w.j1 = b < w.first_items ? (w.first_items - b + grid - 1) / grid : 0;
-    int end = 0;
-    split_k_range((pf.k + bk - 1) / bk, warp, warps, w.kt1, end);  // as even as integer division gives
-    w.n1 = end - w.kt1;
-    w.kt2 = w.n2 = 0;
-    if constexpr (Fused) {
-      split_k_range((pd.k + bk - 1) / bk, warp, warps, w.kt2, end);
-      w.n2 = end - w.kt2;
-    }
-    w.total = w.j1 * w.n1 + (w.items - w.j1) * w.n2;
-    return w;
-  }
-
-  __device__ __forceinline__ static stream_item item_at(const walk& w, const moe_gemm_params<T>& pf,
-                                                     const moe_gemm_params<T>& pd, std::int64_t j) {
-    const std::int64_t gi = blockIdx.x + j * gridDim.x;
-    if (!Fused || j < w.j1) return first_t::item_at(pf, w.tiles, gi);
-    return down_t::item_at(pd, w.tiles, gi - w.first_items);
-  }
-
-  // A warp's copies, stages - 1 K tiles ahead of its mma, across item boundaries (the next
-  // item's first tiles are in flight while this one's partial sums are reduced and stored).
-  struct loader {
-    const T* src[copies];
-    std::int64_t item = -1;   // the CTA-local item src[] points into
-    unsigned pending = 0;     // ring stages whose act rows are not yet copied
-    bool open = !gated_first; // standalone GEMM2: the prior grids have finished
-    std::int64_t gated = -1;  // fused: the last GEMM2 item whose gate this warp passed
-
-    // Issues tile g of the walk (nothing past its end); a GEMM2 item's act rows wait for its gate.
-    __device__ __forceinline__ void issue(const walk& w, const moe_gemm_params<T>& pf,
-                                          const moe_gemm_params<T>& pd, T* ring, std::int64_t g, int lane) {
-      if (g >= w.total) return;
-      const std::int64_t j = w.item_of(g);
-      const bool second = Fused && j >= w.j1;
-      const moe_gemm_params<T>& p = second ? pd : pf;
-      if (j != item) {
-        item = j;
-        const stream_item r = item_at(w, pf, pd, j);
-#pragma unroll
-        for (int i = 0; i < copies; ++i)
-          src[i] = second ? down_t::source_row(p, r.tile, r.n0, i * 4 + (lane >> 3))
-                          : first_t::source_row(p, r.tile, r.n0, i * 4 + (lane >> 3));
-      }
-      const int kt = (second ? w.kt2 : w.kt1) + static_cast<int>(g - w.start_of(j));
-      const int stage = static_cast<int>(g % stages);
-      T* dst = ring + stage * stage_elems;
-      first_t::template load_stage<0, bn / 4>(dst, src, p.b, kt, p.k, lane);
-      const bool defer = Fused ? second && j > gated : !open;
-      if (defer) pending |= 1u << stage;
-      else first_t::template load_stage<bn / 4, copies>(dst, src, p.b, kt, p.k, lane);
-    }
-
-    // At the start of GEMM2 item j (tiles from g0), its gate open: copies the act rows of its
-    // pending stages. Returns whether it committed a group.
-    __device__ __forceinline__ bool release(const walk& w, const moe_gemm_params<T>& pd, T* ring, std::int64_t j,
-                                            const stream_item& r, int lane) {
-      const std::int64_t g0 = w.start_of(j);
-      const int n = Fused ? w.n2 : w.n1, kt0 = Fused ? w.kt2 : w.kt1;
-      const T* rows[copies];
-#pragma unroll
-      for (int i = 0; i < copies; ++i)
-        rows[i] = i < bn / 4 ? nullptr : down_t::source_row(pd, r.tile, r.n0, i * 4 + (lane >> 3));
-      bool any = false;
-#pragma unroll
-      for (int s = 0; s < stages - 1; ++s) {
-        const int stage = static_cast<int>((g0 + s) % stages);
-        if (s < n && ((pending >> stage) & 1u) != 0u) {
-          first_t::template load_stage<bn / 4, copies>(ring + stage * stage_elems, rows, pd.b, kt0 + s, pd.k, lane);
-          pending &= ~(1u << stage);
-          any = true;
-        }
-      }
-      if (any) cp_async_commit();
-      return any;
-    }
-  };
-
-  // Every item of this CTA: each warp accumulates its K range, then the CTA sums the ranges
-  // and stores. Ring discipline as the grouped GEMM's, per warp: stages - 1 tiles in flight,
-  // groups committed even when empty; the __syncwarp after the wait makes every lane's copies
-  // visible and orders the ldmatrix reads of the tile before the copies that overwrite it.
-  __device__ __forceinline__ static void run(T* ring, float* red, const moe_gemm_params<T>& pf,
-                                             const moe_gemm_params<T>& pd, const stream_sync& sync) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const walk w = make_walk(pf, pd, __ldcg(pf.tile_count), warp);
-    T* my_ring = ring + warp * stages * stage_elems;
-
-    loader ld;
-#pragma unroll
-    for (int s = 0; s < stages - 1; ++s) {
-      ld.issue(w, pf, pd, my_ring, s, lane);
-      cp_async_commit();
-    }
-    bool cleared = false;  // fused, thread 0: every CTA has zeroed its share of the output
-    for (std::int64_t j = 0; j < w.items; ++j) {
-      const bool second = Fused && j >= w.j1;
-      const bool down = gated_first || second;
-      const moe_gemm_params<T>& p = second ? pd : pf;
-      const stream_item r = item_at(w, pf, pd, j);
-      bool released = false;
-      if (down) {
-        if constexpr (Fused) {
-          if (lane == 0) wait_at_least(&sync.tiles[r.m_tile].ready, pf.n_tiles);
-          __syncwarp();
-          ld.gated = j;
-        } else if (!ld.open) {
-          wait_for_prior_grids();
-          ld.open = true;
-        }
-        if (ld.pending != 0u) released = ld.release(w, p, my_ring, j, r, lane);
-      }
-      const int tile_rows = r.tile.row_end - r.tile.row_begin;  // 1..bm
-      const int used_blocks = (tile_rows + 7) / 8;
-      float acc[2][token_blocks][4];
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int b = 0; b < token_blocks; ++b)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) acc[m][b][q] = 0.0f;
-      const std::int64_t g0 = w.start_of(j);
-      const int n = second ? w.n2 : w.n1;
-      for (int i = 0; i < n; ++i) {
-        const std::int64_t g = g0 + i;
-        if (released && i == 0) cp_async_wait<0>();  // the act rows were committed last
-        else cp_async_wait<stages - 2>();
-        __syncwarp();
-        ld.issue(w, pf, pd, my_ring, g + stages - 1, lane);
-        cp_async_commit();
-        first_t::compute_stage(my_ring + static_cast<int>(g % stages) * stage_elems, lane, used_blocks, acc);
-      }
-
-      // Partial sums to shared memory: accumulator q of (block m, tokens b) is weight row
-      // m*16 + lane/4 (+8 for q >= 2), token b*8 + 2*(lane%4) (+1 for odd q).
-      float* mine = red + warp * bm * red_stride;
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int b = 0; b < token_blocks; ++b)
-#pragma unroll
-          for (int q = 0; q < 4; ++q)
-            mine[(b * 8 + 2 * (lane & 3) + (q & 1)) * red_stride + m * 16 + (lane >> 2) + (q >> 1) * 8] =
-                acc[m][b][q];
-      if constexpr (Fused) {
-        // GEMM2 adds into (or stores around) the output that every CTA zeroed a share of.
-        if (second && pf.clear != nullptr && threadIdx.x == 0 && !cleared) {
-          wait_at_least(sync.cleared, static_cast<std::int32_t>(gridDim.x));
-          cleared = true;
-        }
-      }
-      __syncthreads();
-      if (second) {
-        if (threadIdx.x < down_t::out_vectors) down_t::store(red, p, r.tile, r.n0, tile_rows, threadIdx.x);
-      } else if (threadIdx.x < first_t::out_vectors) {
-        first_t::store(red, p, r.tile, r.n0, tile_rows, threadIdx.x);
-      }
-      // The next item overwrites the partial sums.
-      __syncthreads();
-      if constexpr (Fused)
-        if (!second && threadIdx.x == 0) release_add(&sync.tiles[r.m_tile].ready, 1);  // act rows written
-    }
-    cp_async_wait<0>();  // only empty groups are left
-  }
-};
-
-// The body of both kernels below: GEMM1 (and the fused kernel) read the plan from the start; a
-// standalone GEMM2 waits inside run, after its first weight copies. GEMM1 zeroes the output
-// GEMM2 adds into (p.clear); in the fused kernel each CTA counts itself in once its share is done.
-template <class T, class Policy, moe_gemm_kind First, bool Fused>
-__device__ __forceinline__ void stream_kernel_body(const moe_gemm_params<T>& pf, const moe_gemm_params<T>& pd,
-                                                   const stream_sync& sync) {
+// Persistent CTAs over (M tile, N tile) items in decode_work_item's order; K is split among a
+// CTA's warps only. As the other GEMMs, GEMM1 zeroes the output GEMM2 adds into (p.clear).
+template <class T, class Policy, moe_gemm_kind Kind>
+__global__ void __launch_bounds__(Policy::tuning.threads()) moe_stream_gemm_kernel(const moe_gemm_params<T> p) {
   if constexpr (compiled_sm < Policy::tuning.min_arch) {
     __trap();
   } else {
-    using runner_t = moe_stream_runner<T, Policy, First, Fused>;
-    __shared__ __align__(16) float red[moe_stream_gemm<T, Policy, First>::red_floats];
+    using tile_t = moe_stream_gemm<T, Policy, Kind>;
+    __shared__ __align__(16) float red[tile_t::red_floats];
     extern __shared__ __align__(128) unsigned char stream_smem_raw[];
-    if constexpr (!runner_t::gated_first) wait_for_prior_grids();
+    T* ring = reinterpret_cast<T*>(stream_smem_raw);
+    // Launched as a programmatic dependent of the kernel before it: GEMM1 reads its output (the
+    // plan) from the start; GEMM2 waits inside run, after its first weight copies.
+    if constexpr (!tile_t::early_weights) wait_for_prior_grids();
     allow_dependent_grids();
-    if constexpr (First != moe_gemm_kind::down) {
-      clear_output(pf, static_cast<int>(threadIdx.x), runner_t::first_t::threads);
-      if constexpr (Fused) {
-        if (pf.clear != nullptr) {
-          __syncthreads();
-          if (threadIdx.x == 0) release_add(sync.cleared, 1);
-        }
-      }
-    }
-    runner_t::run(reinterpret_cast<T*>(stream_smem_raw), red, pf, pd, sync);
+    if constexpr (Kind != moe_gemm_kind::down) clear_output(p, static_cast<int>(threadIdx.x), tile_t::threads);
+    tile_t::run(ring, red, p);
   }
-}
-
-// One GEMM: persistent CTAs over (M tile, N tile) items in decode_work_item's order; K is
-// split among a CTA's warps only.
-template <class T, class Policy, moe_gemm_kind Kind>
-__global__ void __launch_bounds__(Policy::tuning.threads()) moe_stream_gemm_kernel(const moe_gemm_params<T> p) {
-  stream_kernel_body<T, Policy, Kind, false>(p, p, stream_sync{});
-}
-
-// Both GEMMs in one persistent grid (decode): each CTA runs its GEMM1 items, then its GEMM2
-// items, whose weights stream while GEMM1's last items finish on other CTAs. A GEMM2 item waits
-// for its M tile's GEMM1 items (and its first add into the output for every CTA's share of the
-// zeroing); GEMM1 items wait for nothing and come first in every CTA's sequence, so a grid that
-// fits on the device at once always finishes (the launch sizes it so).
-template <class T, class Policy, moe_gemm_kind First>
-__global__ void __launch_bounds__(Policy::tuning.threads())
-    moe_stream_fused_kernel(const moe_stream_fused_params<T> f) {
-  stream_kernel_body<T, Policy, First, true>(f.up, f.down, f.sync);
 }
 
 }  // namespace moerunner::kernels

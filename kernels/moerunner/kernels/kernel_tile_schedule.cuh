@@ -1,7 +1,7 @@
 // Device code of the M-tile schedule the grouped GEMMs walk: the expert-sorted rows of each
 // expert cut into tiles of block_m rows, numbered from the exclusive prefix of
 // ceil(count[e] / block_m) over experts. Empty experts own no tile, so no GEMM CTA ever sees
-// them; tile i is {expert, row_begin, row_end, 0}, and the count words are {tiles used, 0}.
+// them; tile i is {expert, row_begin, row_end, 0}.
 //
 //   moe_tile_schedule_kernel: expert_offsets [E+1] -> M tiles (its own launch)
 //   write_m_tiles: the tile writer it shares with the routing-plan kernels (kernel_permute.cuh),
@@ -88,8 +88,7 @@ __global__ void __launch_bounds__(schedule_threads)
   const int used = m_tiles_used(total, capacity);
   if (threadIdx.x == 0) {
     first_tile[num_experts] = total;
-    tile_count[0] = used;
-    tile_count[1] = 0;  // the fused decode kernel's cleared-CTA counter
+    *tile_count = used;
   }
   __syncthreads();
 

@@ -24,11 +24,7 @@
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
 // sm90 tuning, sm_80 code sm80. Where active experts average at most 4 rows (decode), sm_90a
 // code runs the stream GEMMs instead: mma.sync with the weight rows as M, fed through
-// warp-private cp.async rings, a CTA's warps splitting K; both GEMMs run as one persistent
-// grid (set_fused_decode) whose GEMM2 items wait for their M tile's GEMM1 items, so GEMM2's
-// weights stream while GEMM1 finishes (not with inplace, whose memset must come between
-// them). The grid fits the device at once; it finishes as long as kernels that share the GPU
-// from other streams finish on their own. The wgmma kernels come with M tiles
+// warp-private cp.async rings, a CTA's warps splitting K. The wgmma kernels come with M tiles
 // of 64 rows (two consumer warpgroups splitting the weight rows, five stages) where active
 // experts average at most 64 rows; with 128-row tiles in pairs of CTAs that share each weight
 // tile by TMA multicast where they average 512 or more, single 128-row tiles between; and with
@@ -116,9 +112,6 @@ class cuda_fused_policy {
     raster_band_ = band;
   }
   void set_dependent_launch(bool on) noexcept { dependent_launch_ = on; }
-  // With the stream GEMMs, both GEMMs run as one grid (on by default; see the pipeline above).
-  // Off runs them as two kernels, for measuring the difference.
-  void set_fused_decode(bool on) noexcept { fused_decode_ = on; }
 
   // Alignment slack + routing plan + M-tile schedule + act [M*k, I], each piece 256-byte
   // aligned, and when deterministic and combining the rows GEMM2 writes for combine: [M*k, H]
@@ -348,7 +341,11 @@ class cuda_fused_policy {
       g1.clear = static_cast<uint4*>(out.data);
       g1.clear_vectors = static_cast<std::int64_t>(out.bytes() / sizeof(uint4));  // H % 8 == 0: whole vectors
     }
+    if (cfg_.is_gated())
+      launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent);
+    else launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream, dependent);
     const bool memset_between = store != kernels::down_store::rows && !clear_in_gemm1;
+    if (memset_between) MOE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, out.bytes(), stream));
 
     const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
     const float* row_weights = cfg_.apply_router_weight_on_input() ? nullptr : weights;
@@ -374,31 +371,11 @@ class cuda_fused_policy {
       g2.out_weights = row_weights;
       g2.out_scale = scale;
     }
-
-    bool fused = false;
-    if constexpr (stream_gemm) {
-      if (fused_decode_ && !memset_between) {
-        g1.raster_band = g2.raster_band = raster_band<GemmPolicy>();
-        if (cfg_.is_gated())
-          gpu::launch_moe_stream_fused<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, g2, schedule, dev,
-                                                                                      stream, dependent);
-        else
-          gpu::launch_moe_stream_fused<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, g2, schedule, dev,
-                                                                                      stream, dependent);
-        fused = true;
-      }
-    }
-    if (!fused) {
-      if (cfg_.is_gated())
-        launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent);
-      else launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream, dependent);
-      if (memset_between) MOE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, out.bytes(), stream));
-      // The stream GEMM2 loads its first weights while GEMM1 drains (kernel_stream_gemm.cuh), so
-      // it is always GEMM1's programmatic dependent. After the inplace memset it is a plain
-      // launch whatever was asked: a programmatic launch overlaps kernels, not a memset.
-      launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream,
-                                                               (dependent || stream_gemm) && !memset_between);
-    }
+    // The stream GEMM2 loads its first weights while GEMM1 drains (kernel_stream_gemm.cuh), so
+    // it is always GEMM1's programmatic dependent. After the inplace memset it is a plain
+    // launch whatever was asked: a programmatic launch overlaps kernels, not a memset.
+    launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream,
+                                                             (dependent || stream_gemm) && !memset_between);
 
     if (g2.store == kernels::down_store::partials)
       gpu::combine_rows(g2.partials, dtype::f32, plan, row_weights, scale, out, false, stream, splits);
@@ -410,7 +387,6 @@ class cuda_fused_policy {
   gpu::gemm_tuning_choice tuning_ = gpu::gemm_tuning_choice::automatic;
   int raster_band_ = 0;
   std::optional<bool> dependent_launch_;  // unset: by GEMM kind (see set_dependent_launch)
-  bool fused_decode_ = true;
 };
 
 static_assert(explain_dispatch_runner_core<cuda_fused_policy>());
