@@ -16,6 +16,7 @@
 #include "moerunner/core/dtype.hpp"
 #include "moerunner/core/tensor_view.hpp"
 #include "moerunner/gpu/cuda_check.hpp"
+#include "moerunner/gpu/pdl_launch.cuh"
 #include "moerunner/gpu/routing_plan.hpp"
 #include "moerunner/gpu/row_launch.hpp"
 #include "moerunner/kernels/kernel_combine.cuh"
@@ -34,14 +35,16 @@ struct args {
   bool no_combine;
   int splits;
   std::int64_t split_stride;
+  bool dependent;  // a programmatic dependent launch (gpu::launch_dependent)
 };
 
 template <class TIn, class TOut, int VEC>
 void launch(const args& a, cudaStream_t stream) {
   const row_launch l = make_row_launch(a.plan->num_tokens, a.hidden / VEC);
-  kernels::combine_rows_kernel<TIn, TOut, VEC><<<l.grid, l.threads, 0, stream>>>(
-      static_cast<const TIn*>(a.rows), static_cast<TOut*>(a.out), a.hidden, l.chunks_per_row, l.blocks,
-      a.plan->top_k, a.plan->slot_to_row, a.weights, a.scale, a.no_combine, a.splits, a.split_stride);
+  launch_dependent(kernels::combine_rows_kernel<TIn, TOut, VEC>, dim3(l.grid), dim3(l.threads), 0, stream,
+                   a.dependent, static_cast<const TIn*>(a.rows), static_cast<TOut*>(a.out), a.hidden,
+                   l.chunks_per_row, l.blocks, a.plan->top_k, static_cast<const std::int32_t*>(a.plan->slot_to_row),
+                   a.weights, a.scale, a.no_combine, a.splits, a.split_stride);
 }
 
 template <class TIn, class TOut>
@@ -70,9 +73,11 @@ void launch_out(const args& a, dtype out_type, cudaStream_t stream) {
 // with every slot filtered gets zeros. topk_weights [M, k] f32, or nullptr when the rows
 // already carry the router weight. With no_combine, out[t, j] = scale * w[t, j] * row (0 if filtered).
 // With splits > 1 the rows come in `splits` consecutive [M * k, H] parts (a K-split GEMM's
-// partial sums), and each row is the sum of its parts in order.
+// partial sums), and each row is the sum of its parts in order. With dependent_launch the
+// kernel is a programmatic dependent of the one before it (it waits for it before any read).
 inline void combine_rows(const void* rows, dtype t, const routing_plan& plan, const float* topk_weights, float scale,
-                         const tensor_view& out, bool no_combine, cudaStream_t stream, int splits = 1) {
+                         const tensor_view& out, bool no_combine, cudaStream_t stream, int splits = 1,
+                         bool dependent_launch = false) {
   constexpr const char* where = "gpu::combine_rows";
   validate_plan(plan, where);
   MOE_EXPECT(t == dtype::bf16 || t == dtype::f16 || t == dtype::f32, where,
@@ -96,7 +101,7 @@ inline void combine_rows(const void* rows, dtype t, const routing_plan& plan, co
   check::aligned(out, dtype_size(out.type), where, "out");
   MOE_EXPECT(reinterpret_cast<std::uintptr_t>(topk_weights) % 4 == 0, where, "topk_weights must be 4-byte aligned");
   const combine_launch::args a{rows,  out.data,   hidden, &plan, topk_weights, scale, no_combine,
-                               splits, plan.num_tokens * plan.top_k * hidden};
+                               splits, plan.num_tokens * plan.top_k * hidden, dependent_launch};
   if (t == dtype::bf16) combine_launch::launch_out<__nv_bfloat16>(a, out.type, stream);
   else if (t == dtype::f16) combine_launch::launch_out<__half>(a, out.type, stream);
   else combine_launch::launch_out<float>(a, out.type, stream);

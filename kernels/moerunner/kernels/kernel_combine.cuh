@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "moerunner/kernels/vector_io.cuh"
+#include "moerunner/kernels/pdl.cuh"
 
 namespace moerunner::kernels {
 
@@ -34,6 +35,7 @@ __global__ void combine_rows_kernel(const TIn* __restrict__ rows, TOut* __restri
                                     const std::int32_t* __restrict__ slot_to_row,
                                     const float* __restrict__ weights, float scale, bool no_combine, int splits,
                                     std::int64_t split_stride) {
+  wait_for_prior_grids();  // launched as GEMM2's programmatic dependent: its rows come first
   for (std::int64_t b = blockIdx.x; b < num_blocks; b += gridDim.x) {
     const std::int64_t token = b / chunks_per_row;
     const std::int64_t c = ((b % chunks_per_row) * blockDim.x + threadIdx.x) * VEC;

@@ -377,10 +377,11 @@ class cuda_fused_policy {
     launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream,
                                                              (dependent || stream_gemm) && !memset_between);
 
+    // Deterministic: combine sums the rows, GEMM2's programmatic dependent where the GEMMs are.
     if (g2.store == kernels::down_store::partials)
-      gpu::combine_rows(g2.partials, dtype::f32, plan, row_weights, scale, out, false, stream, splits);
+      gpu::combine_rows(g2.partials, dtype::f32, plan, row_weights, scale, out, false, stream, splits, dependent);
     else if (store == kernels::down_store::rows)
-      gpu::combine_rows(g2.c, d.hidden_states.type, plan, row_weights, scale, out, false, stream);
+      gpu::combine_rows(g2.c, d.hidden_states.type, plan, row_weights, scale, out, false, stream, 1, dependent);
   }
 
   MoeRunnerConfig cfg_;
