@@ -53,6 +53,7 @@ std::string describe(const shape& s, mr::dtype t, const options& o, tuning tu, b
 struct launch_settings {
   int raster_band = 0;
   std::optional<bool> dependent_launch = std::nullopt;
+  bool plan_in_gemms = true;
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -72,6 +73,7 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
         core.set_gemm_tuning(tu);
         core.set_raster_band(ls.raster_band);
         if (ls.dependent_launch) core.set_dependent_launch(*ls.dependent_launch);
+        core.set_plan_in_gemms(ls.plan_in_gemms);
       }
     });
     size_workspace(p, ws_misalign);  // the K splits, and so the size, follow the tuning
@@ -233,6 +235,54 @@ TEST_CASE("cuda_fused matches the reference: programmatic dependent launches on 
     check_case({1, 8, 2, 520, 2048}, mr::dtype::bf16, {}, ls);
     check_case({1000, 64, 8, odd_h, odd_i}, mr::dtype::bf16, {}, ls);
     check_case({5000, 8, 1, odd_h, odd_i}, mr::dtype::f16, {.ids = ids_kind::random_filtered}, ls);  // plan in 3 launches
+  }
+}
+
+TEST_CASE("cuda_fused matches the reference: the decode schedule built in the GEMMs or by the plan kernel") {
+  // Up to 64 slots the stream GEMMs (forced, and automatic at decode) order the rows and cut
+  // the tiles themselves; above, and with plan_in_gemms off, the plan kernel does.
+  for (bool in_gemms : {true, false}) {
+    CAPTURE(in_gemms);
+    const launch_settings ls{.plan_in_gemms = in_gemms};
+    for (mr::dtype t : both_types) {
+      check_case({8, 64, 8, odd_h, odd_i}, t, {}, ls);                                     // 64 slots
+      check_case({9, 64, 8, odd_h, odd_i}, t, {}, ls);                                     // 72: the plan kernel
+      check_case({32, 8, 2, odd_h, odd_i}, t, {.ids = ids_kind::one_expert}, ls);          // 64 rows, 8 tiles of one expert
+      check_case({32, 8, 1, odd_h, odd_i}, t, {.ids = ids_kind::one_expert}, ls);
+      check_case({5, 16, 4, odd_h, odd_i}, t, {.ids = ids_kind::all_filtered}, ls);        // no tile at all
+      check_case({6, 16, 4, odd_h, odd_i}, t, {.ids = ids_kind::filtered}, ls);
+      check_case({1, 8, 1, 520, 2048}, t, {.weight_on_input = true}, ls);
+      check_case({3, 8, 2, odd_h, odd_i}, t, {.no_combine = true}, ls);
+    }
+  }
+}
+
+TEST_CASE("cuda_fused leaves out expert ids outside [-1, E) as it does -1") {
+  // Out-of-range ids in place of the -1 of a filtered routing: the same output. 24 * 2 slots
+  // take the schedule built in the decode GEMMs, 300 * 2 the plan kernel.
+  for (int m : {24, 300}) {
+    const unsigned seed = std::random_device{}();
+    CAPTURE(seed);
+    CAPTURE(m);
+    std::mt19937 rng(seed);
+    const problem p({m, 8, 2, odd_h, odd_i}, mr::dtype::bf16, {.ids = ids_kind::random_filtered}, rng);
+    std::vector<std::int32_t> bad(static_cast<std::size_t>(p.ids.view.numel()));
+    std::memcpy(bad.data(), p.ids.view.data, bad.size() * sizeof(std::int32_t));
+    int replaced = 0;
+    for (std::int32_t& id : bad)
+      if (id == -1) id = replaced++ % 2 == 0 ? p.s.e + 3 : -7;
+    REQUIRE(replaced > 0);  // the middle token is always filtered
+    for (tuning tu : tunings())
+      for (bool det : both_modes) {
+        CAPTURE(describe(p.s, p.type, p.opt, tu, det));
+        on_device g(p, tu, det);
+        MOE_CUDA_CHECK(cudaMemcpy(g.ids.view.data, bad.data(), bad.size() * sizeof(std::int32_t),
+                                  cudaMemcpyHostToDevice));
+        g.fill_out(0xff);
+        g.launch(p, nullptr);
+        MOE_CUDA_CHECK(cudaDeviceSynchronize());
+        compare(p, g.result(p));
+      }
   }
 }
 

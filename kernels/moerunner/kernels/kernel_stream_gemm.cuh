@@ -25,6 +25,7 @@
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
+#include "moerunner/kernels/kernel_local_plan.cuh"
 #include "moerunner/kernels/pdl.cuh"
 
 namespace moerunner::kernels {
@@ -128,9 +129,11 @@ struct moe_stream_gemm {
   };
   // The schedule is read from L2 (ld.global.cg): GEMM2 reads it before its programmatic wait,
   // when only the L2 is sure to hold what the plan kernel wrote (L1 may keep an earlier run's).
+  // A CTA-local schedule (p.local_ids set) is in shared memory, read as such.
   __device__ __forceinline__ static item_ref item_at(const moe_gemm_params<T>& p, int tiles, std::int64_t w) {
     const moe_work_item it = decode_work_item(w, tiles, p.n_tiles, 1, p.raster_band);
-    const int4 t = __ldcg(reinterpret_cast<const int4*>(p.tiles + it.m_tile));
+    const int4* src = reinterpret_cast<const int4*>(p.tiles + it.m_tile);
+    const int4 t = p.local_ids != nullptr ? *src : __ldcg(src);
     return {{t.x, t.y, t.z, t.w}, it.n_tile * out_cols};
   }
 
@@ -169,7 +172,7 @@ struct moe_stream_gemm {
   // visible and orders the ldmatrix reads of the tile before the copies that overwrite it.
   __device__ __forceinline__ static void run(T* ring, float* red, const moe_gemm_params<T>& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int tiles = __ldcg(p.tile_count);
+    const int tiles = p.local_ids != nullptr ? *p.tile_count : __ldcg(p.tile_count);
     const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles;
     const std::int64_t items = blockIdx.x < work ? (work - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
     int kt_begin = 0, kt_end = 0;
@@ -274,14 +277,24 @@ __global__ void __launch_bounds__(Policy::tuning.threads()) moe_stream_gemm_kern
   } else {
     using tile_t = moe_stream_gemm<T, Policy, Kind>;
     __shared__ __align__(16) float red[tile_t::red_floats];
+    __shared__ local_plan plan;
     extern __shared__ __align__(128) unsigned char stream_smem_raw[];
     T* ring = reinterpret_cast<T*>(stream_smem_raw);
     // Launched as a programmatic dependent of the kernel before it: GEMM1 reads its output (the
-    // plan) from the start; GEMM2 waits inside run, after its first weight copies.
+    // plan, or topk_ids) from the start; GEMM2 waits inside run, after its first weight copies
+    // (topk_ids and the plan came before GEMM1, which passed its own wait before letting GEMM2 start).
     if constexpr (!tile_t::early_weights) wait_for_prior_grids();
     allow_dependent_grids();
+    moe_gemm_params<T> q = p;
+    if (p.local_ids != nullptr) {
+      build_local_plan<tile_t::threads>(p.local_ids, p.local_slots, p.local_experts, tile_t::bm, plan,
+                                        Kind != moe_gemm_kind::down && blockIdx.x == 0 ? p.local_error : nullptr);
+      q.tiles = plan.tiles;
+      q.tile_count = &plan.tile_count;
+      q.row_to_slot = plan.row_to_slot;
+    }
     if constexpr (Kind != moe_gemm_kind::down) clear_output(p, static_cast<int>(threadIdx.x), tile_t::threads);
-    tile_t::run(ring, red, p);
+    tile_t::run(ring, red, q);
   }
 }
 

@@ -24,7 +24,10 @@
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
 // sm90 tuning, sm_80 code sm80. Where active experts average at most 4 rows (decode), sm_90a
 // code runs the stream GEMMs instead: mma.sync with the weight rows as M, fed through
-// warp-private cp.async rings, a CTA's warps splitting K. The wgmma kernels come with M tiles
+// warp-private cp.async rings, a CTA's warps splitting K. Up to 64 slots (M * k) and unless
+// deterministic, there is no plan kernel then: every CTA of both GEMMs orders the rows and
+// cuts the tiles itself from topk_ids in shared memory, exactly as the plan would
+// (kernel_local_plan.cuh), and GEMM1's first CTA sets the error flag. The wgmma kernels come with M tiles
 // of 64 rows (two consumer warpgroups splitting the weight rows, five stages) where active
 // experts average at most 64 rows; with 128-row tiles in pairs of CTAs that share each weight
 // tile by TMA multicast where they average 512 or more, single 128-row tiles between; and with
@@ -112,6 +115,9 @@ class cuda_fused_policy {
     raster_band_ = band;
   }
   void set_dependent_launch(bool on) noexcept { dependent_launch_ = on; }
+  // Whether the stream GEMMs build the schedule themselves at decode (on: see the pipeline
+  // above); off runs the plan kernel first, for measuring the difference.
+  void set_plan_in_gemms(bool on) noexcept { plan_in_gemms_ = on; }
 
   // Alignment slack + routing plan + M-tile schedule + act [M*k, I], each piece 256-byte
   // aligned, and when deterministic and combining the rows GEMM2 writes for combine: [M*k, H]
@@ -315,13 +321,29 @@ class cuda_fused_policy {
     start = (start + piece_alignment - 1) / piece_alignment * piece_alignment;
     char* base = reinterpret_cast<char*>(start);
 
-    const auto [plan, schedule] =
-        gpu::build_routing_plan_and_schedule(d.topk.topk_ids, cfg_.num_local_experts(), tuning.schedule_block_m(),
-                                             base + lay.plan, lay.plan_bytes, base + lay.schedule,
-                                             lay.schedule_bytes, stream, dependent);
+    const kernels::down_store store = store_mode();
+    // At decode the stream GEMMs build the schedule in each CTA from topk_ids (no plan kernel),
+    // unless combine needs the plan's slot order (deterministic).
+    const bool local_plan = stream_gemm && plan_in_gemms_ && store != kernels::down_store::rows &&
+                            slots <= kernels::local_plan_max_slots;
+    gpu::routing_plan plan;
+    gpu::tile_schedule schedule;
+    if (local_plan) {
+      // Only checks the ids and carves the plan's pieces: the GEMMs write its error flag.
+      plan = gpu::plan_detail::prepare_routing_plan(d.topk.topk_ids, cfg_.num_local_experts(), base + lay.plan,
+                                                    lay.plan_bytes, "cuda_fused_policy", "workspace")
+                 .plan;
+      schedule.capacity = gpu::moe_m_tile_capacity(slots, cfg_.num_local_experts(), tuning.schedule_block_m());
+      schedule.block_m = tuning.schedule_block_m();
+    } else {
+      const gpu::plan_and_schedule built = gpu::build_routing_plan_and_schedule(
+          d.topk.topk_ids, cfg_.num_local_experts(), tuning.schedule_block_m(), base + lay.plan, lay.plan_bytes,
+          base + lay.schedule, lay.schedule_bytes, stream, dependent);
+      plan = built.plan;
+      schedule = built.schedule;
+    }
     T* act = reinterpret_cast<T*>(base + lay.act);
     const float* weights = d.topk.topk_weights.ptr<const float>();
-    const kernels::down_store store = store_mode();
     // GEMM1 zeroes what GEMM2 adds into (accumulate), or the slots no row reaches (no_combine);
     // an output that aliases x (inplace) is zeroed only once GEMM1 has read x.
     const bool clear_in_gemm1 = store != kernels::down_store::rows && !cfg_.inplace();
@@ -345,6 +367,12 @@ class cuda_fused_policy {
       launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent);
     else launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream, dependent);
     const bool memset_between = store != kernels::down_store::rows && !clear_in_gemm1;
+    if (local_plan) {
+      g1.local_ids = d.topk.topk_ids.ptr<const std::int32_t>();
+      g1.local_slots = static_cast<int>(slots);
+      g1.local_experts = cfg_.num_local_experts();
+      g1.local_error = plan.error_flag;
+    }
     if (memset_between) MOE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, out.bytes(), stream));
 
     const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
@@ -359,6 +387,9 @@ class cuda_fused_policy {
     g2.k = inter;
     g2.act = cfg_.act();
     g2.k_splits = splits;
+    g2.local_ids = g1.local_ids;
+    g2.local_slots = g1.local_slots;
+    g2.local_experts = g1.local_experts;
     // Deterministic split-K: f32 parts per split, summed in split order by combine.
     g2.store = store == kernels::down_store::rows && splits > 1 ? kernels::down_store::partials : store;
     if (g2.store == kernels::down_store::partials) {
@@ -388,6 +419,7 @@ class cuda_fused_policy {
   gpu::gemm_tuning_choice tuning_ = gpu::gemm_tuning_choice::automatic;
   int raster_band_ = 0;
   std::optional<bool> dependent_launch_;  // unset: by GEMM kind (see set_dependent_launch)
+  bool plan_in_gemms_ = true;
 };
 
 static_assert(explain_dispatch_runner_core<cuda_fused_policy>());
