@@ -7,6 +7,8 @@
 #error "moerunner/gpu/stream_gemm.cuh needs nvcc: include it from a .cu file"
 #endif
 
+#include <string>
+
 #include <cuda_runtime_api.h>
 
 #include "moerunner/gpu/cuda_check.hpp"
@@ -18,16 +20,25 @@
 namespace moerunner::gpu {
 
 // Launches one grouped GEMM of a stream tuning over the schedule's tiles (built for its
-// block_m); `p.tiles`, `p.tile_count` and `p.n_tiles` are filled here from `schedule`. K is
-// never split across CTAs (k_splits 1), so GEMM2 stores rows, slots or adds into the output.
+// block_m); `p.tiles`, `p.tile_count` and `p.n_tiles` are filled here from `schedule`, or with
+// p.local_ids set each CTA builds the schedule itself and only the schedule's capacity (the
+// grid's bound) and block_m are used. K is never split across CTAs (k_splits 1), so GEMM2
+// stores rows, slots or adds into the output.
 template <class T, class Policy, kernels::moe_gemm_kind Kind>
 void launch_moe_stream_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& schedule, const device_facts& dev,
                             cudaStream_t stream, bool dependent_launch = false) {
   constexpr stream_gemm_tuning tuning = Policy::tuning;
-  check_mma_gemm_launch(p, schedule, tuning.schedule_block_m(), tuning.min_arch, dev, "gpu::launch_moe_stream_gemm");
+  constexpr const char* where = "gpu::launch_moe_stream_gemm";
+  check_mma_gemm_launch(p, schedule, tuning.schedule_block_m(), tuning.min_arch, dev, where);
+  MOE_EXPECT(p.local_ids != nullptr || (schedule.tiles != nullptr && schedule.count != nullptr), where,
+             "the tile schedule is not built, and the GEMM is not asked to build its own");
+  MOE_EXPECT(p.local_ids == nullptr || (p.local_slots >= 1 && p.local_slots <= kernels::local_plan_max_slots &&
+                                        p.local_experts >= 1),
+             where, "a schedule built in the GEMM takes 1 to " + std::to_string(kernels::local_plan_max_slots) +
+                        " slots, got " + std::to_string(p.local_slots));
   if (schedule.capacity == 0) return;
   const int per_sm = resident_ctas<kernels::moe_stream_gemm_kernel<T, Policy, Kind>>(
-      dev.device, tuning.threads(), tuning.smem_bytes(), "gpu::launch_moe_stream_gemm");
+      dev.device, tuning.threads(), tuning.smem_bytes(), where);
   const unsigned grid =
       persistent_gemm_grid(p, schedule, kernels::moe_stream_gemm<T, Policy, Kind>::out_cols, per_sm, dev);
   launch_dependent(kernels::moe_stream_gemm_kernel<T, Policy, Kind>, dim3(grid), dim3(tuning.threads()),

@@ -363,16 +363,16 @@ class cuda_fused_policy {
       g1.clear = static_cast<uint4*>(out.data);
       g1.clear_vectors = static_cast<std::int64_t>(out.bytes() / sizeof(uint4));  // H % 8 == 0: whole vectors
     }
-    if (cfg_.is_gated())
-      launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent);
-    else launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream, dependent);
-    const bool memset_between = store != kernels::down_store::rows && !clear_in_gemm1;
     if (local_plan) {
       g1.local_ids = d.topk.topk_ids.ptr<const std::int32_t>();
       g1.local_slots = static_cast<int>(slots);
       g1.local_experts = cfg_.num_local_experts();
       g1.local_error = plan.error_flag;
     }
+    if (cfg_.is_gated())
+      launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent);
+    else launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream, dependent);
+    const bool memset_between = store != kernels::down_store::rows && !clear_in_gemm1;
     if (memset_between) MOE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, out.bytes(), stream));
 
     const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
