@@ -20,6 +20,7 @@
 #include <random>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "gpu_test_util.hpp"
@@ -53,7 +54,7 @@ std::string describe(const shape& s, mr::dtype t, const options& o, tuning tu, b
 struct launch_settings {
   int raster_band = 0;
   std::optional<bool> dependent_launch = std::nullopt;
-  bool plan_in_gemms = true;
+  bool plan_in_gemms = false;
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -239,8 +240,8 @@ TEST_CASE("cuda_fused matches the reference: programmatic dependent launches on 
 }
 
 TEST_CASE("cuda_fused matches the reference: the decode schedule built in the GEMMs or by the plan kernel") {
-  // Up to 64 slots the stream GEMMs (forced, and automatic at decode) order the rows and cut
-  // the tiles themselves; above, and with plan_in_gemms off, the plan kernel does.
+  // With plan_in_gemms, up to 64 slots the stream GEMMs (forced, and automatic at decode) order
+  // the rows and cut the tiles themselves; above, and with it off (the default), the plan kernel does.
   for (bool in_gemms : {true, false}) {
     CAPTURE(in_gemms);
     const launch_settings ls{.plan_in_gemms = in_gemms};
@@ -259,11 +260,14 @@ TEST_CASE("cuda_fused matches the reference: the decode schedule built in the GE
 
 TEST_CASE("cuda_fused leaves out expert ids outside [-1, E) as it does -1") {
   // Out-of-range ids in place of the -1 of a filtered routing: the same output. 24 * 2 slots
-  // take the schedule built in the decode GEMMs, 300 * 2 the plan kernel.
-  for (int m : {24, 300}) {
+  // with plan_in_gemms take the schedule built in the decode GEMMs, the others the plan kernel.
+  for (const std::pair<int, bool>& run : {std::pair{24, true}, std::pair{24, false}, std::pair{300, true}}) {
+    const int m = run.first;
+    const bool in_gemms = run.second;
     const unsigned seed = std::random_device{}();
     CAPTURE(seed);
     CAPTURE(m);
+    CAPTURE(in_gemms);
     std::mt19937 rng(seed);
     const problem p({m, 8, 2, odd_h, odd_i}, mr::dtype::bf16, {.ids = ids_kind::random_filtered}, rng);
     std::vector<std::int32_t> bad(static_cast<std::size_t>(p.ids.view.numel()));
@@ -275,7 +279,7 @@ TEST_CASE("cuda_fused leaves out expert ids outside [-1, E) as it does -1") {
     for (tuning tu : tunings())
       for (bool det : both_modes) {
         CAPTURE(describe(p.s, p.type, p.opt, tu, det));
-        on_device g(p, tu, det);
+        on_device g(p, tu, det, 0, {.plan_in_gemms = in_gemms});
         MOE_CUDA_CHECK(cudaMemcpy(g.ids.view.data, bad.data(), bad.size() * sizeof(std::int32_t),
                                   cudaMemcpyHostToDevice));
         g.fill_out(0xff);

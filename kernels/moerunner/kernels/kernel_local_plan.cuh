@@ -5,7 +5,8 @@
 // [0, num_experts) left out (and an id other than -1 reported in *error_flag when given).
 //
 // Each slot has a thread; with at most local_plan_max_slots slots, counting by a loop over the
-// other slots in shared memory is a few hundred cycles, where a scan would cost barriers.
+// other slots in shared memory (routing/plan_rules.hpp) is a few hundred cycles, where a scan
+// would cost barriers.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -15,6 +16,7 @@
 #include <cstdint>
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
+#include "moerunner/routing/plan_rules.hpp"
 
 namespace moerunner::kernels {
 
@@ -50,39 +52,26 @@ __device__ __forceinline__ void build_local_plan(const std::int32_t* ids, int sl
     __syncthreads();
   }
 
-  // Rows of smaller experts (the expert's first row), this slot's rank within its expert, and
-  // the expert's row count.
-  int before = 0, rank = 0, count = 0;
+  // The slot's row and its expert's rows (routing/plan_rules.hpp, as the host test checks them).
+  routing::slot_place at;
   if (e >= 0) {
-    for (int j = 0; j < slots; ++j) {
-      const int o = s.expert[j];
-      before += (o >= 0 && o < e) ? 1 : 0;
-      count += o == e ? 1 : 0;
-      rank += (o == e && j < t) ? 1 : 0;
-    }
-    s.row_to_slot[before + rank] = t;
+    at = routing::place_of_slot(s.expert, slots, t);
+    s.row_to_slot[at.before + at.rank] = t;
   }
-  if (t < slots) s.count[t] = (e >= 0 && rank == 0) ? count : 0;
+  const bool first = e >= 0 && at.rank == 0;
+  if (t < slots) s.count[t] = first ? at.count : 0;
   __syncthreads();
 
   // The expert's first slot writes its tiles after those of the smaller experts.
-  if (e >= 0 && rank == 0) {
-    int first_tile = 0;
-    for (int j = 0; j < slots; ++j) {
-      const int c = s.count[j];
-      if (c > 0 && s.expert[j] < e) first_tile += (c + block_m - 1) / block_m;
-    }
-    for (int i = 0; i * block_m < count; ++i) {
-      const int begin = before + i * block_m;
-      const int end = count - i * block_m < block_m ? before + count : begin + block_m;
+  if (first) {
+    const int first_tile = routing::first_tile_of(s.expert, s.count, slots, e, block_m);
+    for (int i = 0; i < routing::m_tiles_for(at.count, block_m); ++i) {
+      int begin = 0, end = 0;
+      routing::expert_tile_rows(at, i, block_m, begin, end);
       s.tiles[first_tile + i] = gpu::moe_m_tile{e, begin, end, 0};
     }
   }
-  if (t == 0) {
-    int total = 0;
-    for (int j = 0; j < slots; ++j) total += (s.count[j] + block_m - 1) / block_m;
-    s.tile_count = total;
-  }
+  if (t == 0) s.tile_count = routing::tiles_total(s.count, slots, block_m);
   __syncthreads();
 }
 

@@ -24,10 +24,10 @@
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
 // sm90 tuning, sm_80 code sm80. Where active experts average at most 4 rows (decode), sm_90a
 // code runs the stream GEMMs instead: mma.sync with the weight rows as M, fed through
-// warp-private cp.async rings, a CTA's warps splitting K. Up to 64 slots (M * k) and unless
-// deterministic, there is no plan kernel then: every CTA of both GEMMs orders the rows and
-// cuts the tiles itself from topk_ids in shared memory, exactly as the plan would
-// (kernel_local_plan.cuh), and GEMM1's first CTA sets the error flag. The wgmma kernels come with M tiles
+// warp-private cp.async rings, a CTA's warps splitting K. With set_plan_in_gemms(true), up to
+// 64 slots (M * k) and unless deterministic, no plan kernel runs then: every CTA of both GEMMs
+// orders the rows and cuts the tiles itself from topk_ids in shared memory, exactly as the plan
+// would (kernel_local_plan.cuh), and GEMM1's first CTA sets the error flag. The wgmma kernels come with M tiles
 // of 64 rows (two consumer warpgroups splitting the weight rows, five stages) where active
 // experts average at most 64 rows; with 128-row tiles in pairs of CTAs that share each weight
 // tile by TMA multicast where they average 512 or more, single 128-row tiles between; and with
@@ -115,8 +115,8 @@ class cuda_fused_policy {
     raster_band_ = band;
   }
   void set_dependent_launch(bool on) noexcept { dependent_launch_ = on; }
-  // Whether the stream GEMMs build the schedule themselves at decode (on: see the pipeline
-  // above); off runs the plan kernel first, for measuring the difference.
+  // Whether the stream GEMMs build the schedule themselves at decode instead of the plan
+  // kernel (see the pipeline above). Off by default: not yet measured against the plan kernel.
   void set_plan_in_gemms(bool on) noexcept { plan_in_gemms_ = on; }
 
   // Alignment slack + routing plan + M-tile schedule + act [M*k, I], each piece 256-byte
@@ -419,7 +419,7 @@ class cuda_fused_policy {
   gpu::gemm_tuning_choice tuning_ = gpu::gemm_tuning_choice::automatic;
   int raster_band_ = 0;
   std::optional<bool> dependent_launch_;  // unset: by GEMM kind (see set_dependent_launch)
-  bool plan_in_gemms_ = true;
+  bool plan_in_gemms_ = false;
 };
 
 static_assert(explain_dispatch_runner_core<cuda_fused_policy>());
