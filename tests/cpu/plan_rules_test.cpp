@@ -69,7 +69,8 @@ built reference(const std::vector<std::int32_t>& expert, int num_experts, int bl
   int row = 0;
   for (int e = 0; e < num_experts; ++e) {
     const int n = static_cast<int>(std::count(expert.begin(), expert.end(), e));
-    for (int begin = row; begin < row + n; begin += block_m) b.tiles.push_back({e, begin, std::min(begin + block_m, row + n)});
+    for (int begin = row; begin < row + n; begin += block_m)
+      b.tiles.push_back({e, begin, std::min(begin + block_m, row + n)});
     row += n;
   }
   b.total = static_cast<int>(b.tiles.size());

@@ -246,11 +246,11 @@ TEST_CASE("cuda_fused matches the reference: the decode schedule built in the GE
     CAPTURE(in_gemms);
     const launch_settings ls{.plan_in_gemms = in_gemms};
     for (mr::dtype t : both_types) {
-      check_case({8, 64, 8, odd_h, odd_i}, t, {}, ls);                                     // 64 slots
-      check_case({9, 64, 8, odd_h, odd_i}, t, {}, ls);                                     // 72: the plan kernel
-      check_case({32, 8, 2, odd_h, odd_i}, t, {.ids = ids_kind::one_expert}, ls);          // 64 rows, 8 tiles of one expert
-      check_case({32, 8, 1, odd_h, odd_i}, t, {.ids = ids_kind::one_expert}, ls);
-      check_case({5, 16, 4, odd_h, odd_i}, t, {.ids = ids_kind::all_filtered}, ls);        // no tile at all
+      check_case({8, 64, 8, odd_h, odd_i}, t, {}, ls);                               // 64 slots
+      check_case({9, 64, 8, odd_h, odd_i}, t, {}, ls);                               // 72: the plan kernel
+      check_case({32, 8, 2, odd_h, odd_i}, t, {.ids = ids_kind::one_expert}, ls);    // 8 tiles per expert
+      check_case({32, 8, 1, odd_h, odd_i}, t, {.ids = ids_kind::one_expert}, ls);    // 8 tiles of one expert
+      check_case({5, 16, 4, odd_h, odd_i}, t, {.ids = ids_kind::all_filtered}, ls);  // no tile at all
       check_case({6, 16, 4, odd_h, odd_i}, t, {.ids = ids_kind::filtered}, ls);
       check_case({1, 8, 1, 520, 2048}, t, {.weight_on_input = true}, ls);
       check_case({3, 8, 2, odd_h, odd_i}, t, {.no_combine = true}, ls);

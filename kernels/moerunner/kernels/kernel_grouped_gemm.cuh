@@ -145,8 +145,8 @@ struct moe_gemm_params {
   // accumulates into; GEMM2 starts after GEMM1 has finished).
   uint4* clear = nullptr;
   std::int64_t clear_vectors = 0;
-  // Stream GEMMs only: when set, each CTA builds tiles, tile_count and row_to_slot itself from
-  // these topk_ids (kernel_local_plan.cuh) and the three pointers above are not read.
+  // Stream GEMMs only: when set, each CTA builds the schedule and the row order itself from
+  // these topk_ids (kernel_local_plan.cuh), and tiles, tile_count and row_to_slot are not read.
   const std::int32_t* local_ids = nullptr;  // [local_slots]
   int local_slots = 0;
   int local_experts = 0;

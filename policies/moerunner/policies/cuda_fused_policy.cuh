@@ -27,12 +27,13 @@
 // warp-private cp.async rings, a CTA's warps splitting K. With set_plan_in_gemms(true), up to
 // 64 slots (M * k) and unless deterministic, no plan kernel runs then: every CTA of both GEMMs
 // orders the rows and cuts the tiles itself from topk_ids in shared memory, exactly as the plan
-// would (kernel_local_plan.cuh), and GEMM1's first CTA sets the error flag. The wgmma kernels come with M tiles
-// of 64 rows (two consumer warpgroups splitting the weight rows, five stages) where active
-// experts average at most 64 rows; with 128-row tiles in pairs of CTAs that share each weight
-// tile by TMA multicast where they average 512 or more, single 128-row tiles between; and with
-// 64 x 128 tiles (one consumer warpgroup, eight stages) where GEMM1's 64 x 256 items would
-// leave SMs idle (gpu::sm90_tile_for). set_gemm_tuning forces one (tests, benchmarks).
+// would (kernel_local_plan.cuh), and GEMM1's first CTA sets the error flag. The wgmma kernels
+// come with M tiles of 64 rows (two consumer warpgroups splitting the weight rows, five
+// stages) where active experts average at most 64 rows; with 128-row tiles in pairs of CTAs
+// that share each weight tile by TMA multicast where they average 512 or more, single 128-row
+// tiles between; and with 64 x 128 tiles (one consumer warpgroup, eight stages) where GEMM1's
+// 64 x 256 items would leave SMs idle (gpu::sm90_tile_for). set_gemm_tuning forces one (tests,
+// benchmarks).
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
@@ -322,8 +323,8 @@ class cuda_fused_policy {
     char* base = reinterpret_cast<char*>(start);
 
     const kernels::down_store store = store_mode();
-    // At decode the stream GEMMs build the schedule in each CTA from topk_ids (no plan kernel),
-    // unless combine needs the plan's slot order (deterministic).
+    // With plan_in_gemms the stream GEMMs build the schedule in each CTA from topk_ids (no plan
+    // kernel) up to 64 slots, unless combine needs the plan's slot order (deterministic).
     const bool local_plan = stream_gemm && plan_in_gemms_ && store != kernels::down_store::rows &&
                             slots <= kernels::local_plan_max_slots;
     gpu::routing_plan plan;
