@@ -127,13 +127,17 @@ struct moe_stream_gemm {
     gpu::moe_m_tile tile;
     int n0;
   };
-  // The schedule is read from L2 (ld.global.cg): GEMM2 reads it before its programmatic wait,
-  // when only the L2 is sure to hold what the plan kernel wrote (L1 may keep an earlier run's).
-  // A CTA-local schedule (p.local_ids set) is in shared memory, read as such.
+  // A word of the schedule. The plan kernel's is read from L2 (ld.global.cg): GEMM2 reads it
+  // before its programmatic wait, when only the L2 is sure to hold what the plan kernel wrote
+  // (L1 may keep an earlier run's). A CTA-local one (p.local_ids set) is in shared memory.
+  template <class U>
+  __device__ __forceinline__ static U read_schedule(const moe_gemm_params<T>& p, const U* src) {
+    return p.local_ids != nullptr ? *src : __ldcg(src);
+  }
+
   __device__ __forceinline__ static item_ref item_at(const moe_gemm_params<T>& p, int tiles, std::int64_t w) {
     const moe_work_item it = decode_work_item(w, tiles, p.n_tiles, 1, p.raster_band);
-    const int4* src = reinterpret_cast<const int4*>(p.tiles + it.m_tile);
-    const int4 t = p.local_ids != nullptr ? *src : __ldcg(src);
+    const int4 t = read_schedule(p, reinterpret_cast<const int4*>(p.tiles + it.m_tile));
     return {{t.x, t.y, t.z, t.w}, it.n_tile * out_cols};
   }
 
@@ -172,7 +176,7 @@ struct moe_stream_gemm {
   // visible and orders the ldmatrix reads of the tile before the copies that overwrite it.
   __device__ __forceinline__ static void run(T* ring, float* red, const moe_gemm_params<T>& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int tiles = p.local_ids != nullptr ? *p.tile_count : __ldcg(p.tile_count);
+    const int tiles = read_schedule(p, p.tile_count);
     const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles;
     const std::int64_t items = blockIdx.x < work ? (work - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
     int kt_begin = 0, kt_end = 0;

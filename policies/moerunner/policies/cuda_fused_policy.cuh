@@ -325,11 +325,11 @@ class cuda_fused_policy {
     const kernels::down_store store = store_mode();
     // With plan_in_gemms the stream GEMMs build the schedule in each CTA from topk_ids (no plan
     // kernel) up to 64 slots, unless combine needs the plan's slot order (deterministic).
-    const bool local_plan = stream_gemm && plan_in_gemms_ && store != kernels::down_store::rows &&
+    const bool schedule_in_gemms = stream_gemm && plan_in_gemms_ && store != kernels::down_store::rows &&
                             slots <= kernels::local_plan_max_slots;
     gpu::routing_plan plan;
     gpu::tile_schedule schedule;
-    if (local_plan) {
+    if (schedule_in_gemms) {
       // Only checks the ids and carves the plan's pieces: the GEMMs write its error flag.
       plan = gpu::plan_detail::prepare_routing_plan(d.topk.topk_ids, cfg_.num_local_experts(), base + lay.plan,
                                                     lay.plan_bytes, "cuda_fused_policy", "workspace")
@@ -364,7 +364,7 @@ class cuda_fused_policy {
       g1.clear = static_cast<uint4*>(out.data);
       g1.clear_vectors = static_cast<std::int64_t>(out.bytes() / sizeof(uint4));  // H % 8 == 0: whole vectors
     }
-    if (local_plan) {
+    if (schedule_in_gemms) {
       g1.local_ids = d.topk.topk_ids.ptr<const std::int32_t>();
       g1.local_slots = static_cast<int>(slots);
       g1.local_experts = cfg_.num_local_experts();
@@ -409,7 +409,8 @@ class cuda_fused_policy {
     launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream,
                                                              (dependent || stream_gemm) && !memset_between);
 
-    // Deterministic: combine sums the rows, GEMM2's programmatic dependent where the GEMMs are.
+    // Deterministic: combine sums the rows, launched as GEMM2's programmatic dependent when the
+    // GEMMs are launched so (by default with the stream GEMMs).
     if (g2.store == kernels::down_store::partials)
       gpu::combine_rows(g2.partials, dtype::f32, plan, row_weights, scale, out, false, stream, splits, dependent);
     else if (store == kernels::down_store::rows)
