@@ -14,8 +14,9 @@
 // GEMMs forced, which the default picks at decode),
 // cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the default is 8) and
 // cuda_fused_pdl / cuda_fused_nopdl (programmatic dependent launches on / off everywhere; by
-// default on with the stream GEMMs only) and cuda_fused_planingemm (the decode GEMMs build the
-// schedule themselves instead of the plan kernel, set_plan_in_gemms), which measure one choice each.
+// default on with the stream GEMMs only) and cuda_fused_plankernel (the plan kernel at decode,
+// where by default the stream GEMMs build the schedule themselves: set_plan_in_gemms), which
+// measure one choice each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -23,7 +24,8 @@
 // called directly (cublas_grouped synchronizes inside each run, so its time includes that
 // round trip). Routing is timed apart from it, from graphs: routing_ms = gpu::topk from f32
 // logits; route_plan_ms = topk + the routing plan and M-tile schedule cuda_fused builds, launched
-// as it launches them (the plan a programmatic dependent of topk at decode); and
+// as it launches them (the plan a programmatic dependent of topk at decode; up to 64 slots no
+// plan kernel runs, the stream GEMMs order the rows themselves, and it is topk alone); and
 // for graph-capturable backends layer_ms = topk and the run in one graph (routing included).
 // workspace_bytes is the runner's workspace query for the cell.
 //
@@ -96,7 +98,7 @@ struct backend_variant {
   int raster_band = 0;   // cuda_fused: 0 = the tuning's
   // cuda_fused: programmatic dependent launches (unset: the policy's choice)
   std::optional<bool> dependent = std::nullopt;
-  bool plan_in_gemms = false;  // cuda_fused at decode: the schedule built in the GEMMs (else the plan kernel)
+  bool plan_in_gemms = true;  // cuda_fused at decode: the schedule built in the GEMMs (else the plan kernel)
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -109,8 +111,8 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
     {"cuda_fused_pdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, true},
     {"cuda_fused_nopdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, false},
-    {"cuda_fused_planingemm", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
-     true},
+    {"cuda_fused_plankernel", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     false},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -418,6 +420,12 @@ routing_times routing_ms(const shape_desc& sh, const routing_set& r, std::int64_
   const mr::gpu::sm90_tile tile = mr::gpu::sm90_tile_for(m * sh.k, sh.e, sh.i, sm_count);
   const int block_m = mr::gpu::sm90_schedule_block_m(tile);
   const bool dependent = tile == mr::gpu::sm90_tile::stream;
+  // Up to local_plan_max_slots slots its stream GEMMs order the rows themselves (their time
+  // holds that work): no plan kernel runs after topk.
+  if (dependent && m * sh.k <= mr::kernels::local_plan_max_slots) {
+    t.with_plan_ms = t.topk_ms;
+    return t;
+  }
   const std::size_t schedule_bytes = mr::gpu::tile_schedule_bytes(m * sh.k, sh.e, block_m);
   dbuf plan_ws(plan_bytes), schedule_ws(schedule_bytes);
   const auto plan = [&](cudaStream_t cs) {

@@ -54,7 +54,7 @@ std::string describe(const shape& s, mr::dtype t, const options& o, tuning tu, b
 struct launch_settings {
   int raster_band = 0;
   std::optional<bool> dependent_launch = std::nullopt;
-  bool plan_in_gemms = false;
+  bool plan_in_gemms = true;
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -240,8 +240,9 @@ TEST_CASE("cuda_fused matches the reference: programmatic dependent launches on 
 }
 
 TEST_CASE("cuda_fused matches the reference: the decode schedule built in the GEMMs or by the plan kernel") {
-  // With plan_in_gemms, up to 64 slots the stream GEMMs (forced, and automatic at decode) order
-  // the rows and cut the tiles themselves; above, and with it off (the default), the plan kernel does.
+  // With plan_in_gemms (the default), up to 64 slots the stream GEMMs (forced, and automatic at
+  // decode) order the rows and cut the tiles themselves, and GEMM1 writes the slot_to_row the
+  // deterministic combine reads; above, and with it off, the plan kernel does.
   for (bool in_gemms : {true, false}) {
     CAPTURE(in_gemms);
     const launch_settings ls{.plan_in_gemms = in_gemms};

@@ -36,6 +36,9 @@ void launch_moe_stream_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& 
                                         p.local_experts >= 1),
              where, "a schedule built in the GEMM takes 1 to " + std::to_string(kernels::local_plan_max_slots) +
                         " slots, got " + std::to_string(p.local_slots));
+  MOE_EXPECT((p.local_error == nullptr && p.local_slot_to_row == nullptr) ||
+                 (p.local_ids != nullptr && Kind != kernels::moe_gemm_kind::down),
+             where, "only GEMM1 building its own schedule writes the plan's error flag and slot_to_row");
   if (schedule.capacity == 0) return;
   const int per_sm = resident_ctas<kernels::moe_stream_gemm_kernel<T, Policy, Kind>>(
       dev.device, tuning.threads(), tuning.smem_bytes(), where);

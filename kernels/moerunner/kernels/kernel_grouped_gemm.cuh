@@ -151,6 +151,7 @@ struct moe_gemm_params {
   int local_slots = 0;
   int local_experts = 0;
   std::int32_t* local_error = nullptr;  // GEMM1: the plan's error flag, written by CTA 0
+  std::int32_t* local_slot_to_row = nullptr;  // GEMM1, or null: the plan's slot_to_row, written by CTA 0
 };
 
 // One work item of a persistent grid: an M tile, an N tile and a K range.

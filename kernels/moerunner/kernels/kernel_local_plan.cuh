@@ -2,7 +2,9 @@
 // by every CTA of a decode GEMM in its own shared memory from topk_ids, so that no plan kernel
 // runs before the GEMMs. The result is the plan kernel's (kernel_permute.cuh) for those ids:
 // rows sorted by (expert, slot), tiles of block_m rows in expert order, ids outside
-// [0, num_experts) left out (and an id other than -1 reported in *error_flag when given).
+// [0, num_experts) left out (and an id other than -1 reported in *error_flag when given). One CTA
+// may also write the plan's slot_to_row (-1 for a slot left out), which the deterministic combine
+// reads after the GEMMs.
 //
 // Each slot has a thread; with at most local_plan_max_slots slots, counting by a loop over the
 // other slots in shared memory (routing/plan_rules.hpp) is a few hundred cycles, where a scan
@@ -32,9 +34,10 @@ struct local_plan {
 
 // Every thread of the block calls it (THREADS >= slots); `ids` is read through L2 (written by an
 // earlier kernel). Ends with a barrier: the plan is then visible to the whole block.
+// `error_flag` and `slot_to_row` (global, or null) are written by the calling block.
 template <int THREADS>
 __device__ __forceinline__ void build_local_plan(const std::int32_t* ids, int slots, int num_experts, int block_m,
-                                                 local_plan& s, std::int32_t* error_flag) {
+                                                 local_plan& s, std::int32_t* error_flag, std::int32_t* slot_to_row) {
   static_assert(THREADS >= local_plan_max_slots, "one thread per slot");
   const int t = static_cast<int>(threadIdx.x);
   int e = -1;
@@ -58,6 +61,7 @@ __device__ __forceinline__ void build_local_plan(const std::int32_t* ids, int sl
     at = routing::place_of_slot(s.expert, slots, t);
     s.row_to_slot[at.before + at.rank] = t;
   }
+  if (slot_to_row != nullptr && t < slots) slot_to_row[t] = e >= 0 ? at.before + at.rank : -1;
   const bool first = e >= 0 && at.rank == 0;
   if (t < slots) s.count[t] = first ? at.count : 0;
   __syncthreads();

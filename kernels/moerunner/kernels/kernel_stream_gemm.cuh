@@ -291,8 +291,10 @@ __global__ void __launch_bounds__(Policy::tuning.threads()) moe_stream_gemm_kern
     allow_dependent_grids();
     moe_gemm_params<T> q = p;
     if (p.local_ids != nullptr) {
+      const bool writes_plan = Kind != moe_gemm_kind::down && blockIdx.x == 0;
       build_local_plan<tile_t::threads>(p.local_ids, p.local_slots, p.local_experts, tile_t::bm, plan,
-                                        Kind != moe_gemm_kind::down && blockIdx.x == 0 ? p.local_error : nullptr);
+                                        writes_plan ? p.local_error : nullptr,
+                                        writes_plan ? p.local_slot_to_row : nullptr);
       q.tiles = plan.tiles;
       q.tile_count = &plan.tile_count;
       q.row_to_slot = plan.row_to_slot;

@@ -24,10 +24,11 @@
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
 // sm90 tuning, sm_80 code sm80. Where active experts average at most 4 rows (decode), sm_90a
 // code runs the stream GEMMs instead: mma.sync with the weight rows as M, fed through
-// warp-private cp.async rings, a CTA's warps splitting K. With set_plan_in_gemms(true), up to
-// 64 slots (M * k) and unless deterministic, no plan kernel runs then: every CTA of both GEMMs
-// orders the rows and cuts the tiles itself from topk_ids in shared memory, exactly as the plan
-// would (kernel_local_plan.cuh), and GEMM1's first CTA sets the error flag. The wgmma kernels
+// warp-private cp.async rings, a CTA's warps splitting K. Up to 64 slots (M * k) no plan
+// kernel runs then (unless set_plan_in_gemms(false)): every CTA of both GEMMs orders the rows
+// and cuts the tiles itself from topk_ids in shared memory, exactly as the plan would
+// (kernel_local_plan.cuh), and GEMM1's first CTA sets the error flag and, for the deterministic
+// combine, writes the plan's slot_to_row. The wgmma kernels
 // come with M tiles of 64 rows (two consumer warpgroups splitting the weight rows, five
 // stages) where active experts average at most 64 rows; with 128-row tiles in pairs of CTAs
 // that share each weight tile by TMA multicast where they average 512 or more, single 128-row
@@ -117,7 +118,8 @@ class cuda_fused_policy {
   }
   void set_dependent_launch(bool on) noexcept { dependent_launch_ = on; }
   // Whether the stream GEMMs build the schedule themselves at decode instead of the plan
-  // kernel (see the pipeline above). Off by default: not yet measured against the plan kernel.
+  // kernel (see the pipeline above). On by default: measured 12% faster on Qwen3-30B-A3B at one
+  // token, 1-4% at 8 tokens (bench/NOTES.md); off runs the plan kernel (benchmarks, tests).
   void set_plan_in_gemms(bool on) noexcept { plan_in_gemms_ = on; }
 
   // Alignment slack + routing plan + M-tile schedule + act [M*k, I], each piece 256-byte
@@ -324,9 +326,8 @@ class cuda_fused_policy {
 
     const kernels::down_store store = store_mode();
     // With plan_in_gemms the stream GEMMs build the schedule in each CTA from topk_ids (no plan
-    // kernel) up to 64 slots, unless combine needs the plan's slot order (deterministic).
-    const bool schedule_in_gemms = stream_gemm && plan_in_gemms_ && store != kernels::down_store::rows &&
-                            slots <= kernels::local_plan_max_slots;
+    // kernel) up to 64 slots; GEMM1 writes slot_to_row when combine reads it (deterministic).
+    const bool schedule_in_gemms = stream_gemm && plan_in_gemms_ && slots <= kernels::local_plan_max_slots;
     gpu::routing_plan plan;
     gpu::tile_schedule schedule;
     if (schedule_in_gemms) {
@@ -369,6 +370,7 @@ class cuda_fused_policy {
       g1.local_slots = static_cast<int>(slots);
       g1.local_experts = cfg_.num_local_experts();
       g1.local_error = plan.error_flag;
+      if (store == kernels::down_store::rows) g1.local_slot_to_row = plan.slot_to_row;
     }
     if (cfg_.is_gated())
       launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent);
@@ -421,7 +423,7 @@ class cuda_fused_policy {
   gpu::gemm_tuning_choice tuning_ = gpu::gemm_tuning_choice::automatic;
   int raster_band_ = 0;
   std::optional<bool> dependent_launch_;  // unset: by GEMM kind (see set_dependent_launch)
-  bool plan_in_gemms_ = false;
+  bool plan_in_gemms_ = true;
 };
 
 static_assert(explain_dispatch_runner_core<cuda_fused_policy>());
