@@ -211,8 +211,7 @@ void launch_moe_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& schedul
                      cudaStream_t stream) {
   constexpr grouped_gemm_tuning tuning = Policy::tuning;
   check_mma_gemm_launch(p, schedule, tuning.block_m, tuning.min_arch, dev, "gpu::launch_moe_gemm");
-  MOE_EXPECT(p.local_ids == nullptr && p.combine_out == nullptr, "gpu::launch_moe_gemm",
-             "only the stream GEMMs build their own schedule and combine");
+  MOE_EXPECT(p.local_ids == nullptr, "gpu::launch_moe_gemm", "only the stream GEMMs build their own schedule");
   if (schedule.capacity == 0) return;
   const int per_sm = resident_ctas<kernels::moe_grouped_gemm_kernel<T, Policy, Kind>>(
       dev.device, tuning.threads(), tuning.smem_bytes(), "gpu::launch_moe_gemm");

@@ -175,8 +175,7 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   constexpr int cols = kernels::moe_gemm_wgmma<T, Policy, Kind>::out_cols;
   const std::int64_t n_tiles = (p.n + cols - 1) / cols;
   const int k_splits = p.k_splits;
-  MOE_EXPECT(p.local_ids == nullptr && p.combine_out == nullptr, where,
-             "only the stream GEMMs build their own schedule and combine");
+  MOE_EXPECT(p.local_ids == nullptr, where, "only the stream GEMMs build their own schedule");
   const bool may_split = Kind == kernels::moe_gemm_kind::down && (p.store == kernels::down_store::accumulate ||
                                                                    p.store == kernels::down_store::partials);
   MOE_EXPECT(k_splits == 1 || (may_split && k_splits >= 1 && k_splits <= (p.k + tuning.block_k - 1) / tuning.block_k),

@@ -25,33 +25,6 @@ __device__ __forceinline__ void load_row_parts(const TIn* rows, std::int64_t row
   }
 }
 
-// acc = scale * sum_{j = 0..k-1} w[first_slot + j] * row_j (w = 1 without weights) over the
-// slots whose row_of(j) is not negative, accumulated in f32 in slot order; load(row, v) gives a
-// row's VEC values as f32. The combine's arithmetic, which the decode GEMM2 also runs over the
-// rows it stored itself (deterministic mode), so that both give the same bits.
-template <int VEC, class RowOf, class Load>
-__device__ __forceinline__ void combine_slots(int top_k, std::int64_t first_slot, RowOf row_of, Load load,
-                                              const float* weights, float scale, float (&acc)[VEC]) {
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
-  for (int j = 0; j < top_k; ++j) {
-    const std::int64_t row = row_of(j);
-    if (row < 0) continue;
-    float v[VEC];
-    load(row, v);
-    if (weights != nullptr) {
-      const float w = weights[first_slot + j];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] = fmaf(w, v[i], acc[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] += v[i];
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) acc[i] *= scale;
-}
-
 // out[t] = scale * sum_{j = 0..k-1} w[t, j] * rows[slot_to_row[t * k + j]] (w = 1 without
 // weights), skipping filtered slots, accumulated in f32 in slot order and rounded once: the
 // same bits on every run. With no_combine, out[t, j] = scale * w[t, j] * row, or 0 when filtered.
@@ -70,10 +43,24 @@ __global__ void combine_rows_kernel(const TIn* __restrict__ rows, TOut* __restri
     const std::int64_t first_slot = token * top_k;
     if (!no_combine) {
       float acc[VEC];
-      combine_slots<VEC>(
-          top_k, first_slot, [&](int j) { return static_cast<std::int64_t>(slot_to_row[first_slot + j]); },
-          [&](std::int64_t row, float (&v)[VEC]) { load_row_parts<VEC>(rows, row, hidden, c, splits, split_stride, v); },
-          weights, scale, acc);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+      for (int j = 0; j < top_k; ++j) {
+        const std::int64_t row = slot_to_row[first_slot + j];
+        if (row < 0) continue;
+        float v[VEC];
+        load_row_parts<VEC>(rows, row, hidden, c, splits, split_stride, v);
+        if (weights != nullptr) {
+          const float w = weights[first_slot + j];
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[i] = fmaf(w, v[i], acc[i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] *= scale;
       store_f32<VEC>(out + token * hidden + c, acc);
     } else {
       for (int j = 0; j < top_k; ++j) {

@@ -137,8 +137,8 @@ struct moe_gemm_params {
   activation act;
   // GEMM2 only.
   down_store store = down_store::rows;
-  const float* out_weights = nullptr;  // slots / accumulate / combine_out: topk_weights [M*k], or null when applied on the input
-  float out_scale = 1.0f;              // slots / accumulate / combine_out: routed_scaling_factor, or 1
+  const float* out_weights = nullptr;  // slots / accumulate: topk_weights [M*k], or null when applied on the input
+  float out_scale = 1.0f;              // slots / accumulate: routed_scaling_factor, or 1
   float* partials = nullptr;           // partials: f32 [k_splits, R, n]
   std::int64_t split_stride = 0;       // partials: R * n
   // GEMM1 only: 16-byte vectors at `clear` that the grid zeroes before it ends (the output GEMM2
@@ -152,14 +152,6 @@ struct moe_gemm_params {
   int local_experts = 0;
   std::int32_t* local_error = nullptr;  // GEMM1: the plan's error flag, written by CTA 0
   std::int32_t* local_slot_to_row = nullptr;  // GEMM1, or null: the plan's slot_to_row, written by CTA 0
-  // Stream GEMM2 storing rows with a schedule built in the GEMM (deterministic decode): the CTA
-  // that stores the last row of a token for an N tile sums the token's rows into combine_out
-  // as combine_rows would (out_weights, out_scale), so no combine kernel runs. combine_counts
-  // [M * n_tiles] counts the stored rows per (token, N tile) and must be zero at the start
-  // (GEMM1 clears it); slot_to_row is set in the kernel (the CTA-local plan's).
-  T* combine_out = nullptr;  // [M, n], 16-byte aligned
-  std::int32_t* combine_counts = nullptr;
-  const std::int32_t* slot_to_row = nullptr;
 };
 
 // One work item of a persistent grid: an M tile, an N tile and a K range.

@@ -27,7 +27,6 @@ inline constexpr int local_plan_max_slots = 64;
 struct local_plan {
   gpu::moe_m_tile tiles[local_plan_max_slots];  // at most one tile per slot
   std::int32_t row_to_slot[local_plan_max_slots];
-  std::int32_t slot_to_row[local_plan_max_slots];  // -1 for a slot left out
   std::int32_t expert[local_plan_max_slots];  // per slot, -1 when left out
   std::int32_t count[local_plan_max_slots];   // per slot: its expert's rows at the expert's first slot, else 0
   std::int32_t tile_count;
@@ -62,11 +61,7 @@ __device__ __forceinline__ void build_local_plan(const std::int32_t* ids, int sl
     at = routing::place_of_slot(s.expert, slots, t);
     s.row_to_slot[at.before + at.rank] = t;
   }
-  if (t < slots) {
-    const int row = e >= 0 ? at.before + at.rank : -1;
-    s.slot_to_row[t] = row;
-    if (slot_to_row != nullptr) slot_to_row[t] = row;
-  }
+  if (slot_to_row != nullptr && t < slots) slot_to_row[t] = e >= 0 ? at.before + at.rank : -1;
   const bool first = e >= 0 && at.rank == 0;
   if (t < slots) s.count[t] = first ? at.count : 0;
   __syncthreads();

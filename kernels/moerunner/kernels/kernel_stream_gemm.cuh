@@ -5,7 +5,7 @@
 //     a CTA's 32 weight rows are the mma.sync's M ("swap-AB") and its tile's tokens the mma's N
 //     in blocks of 8; each warp walks its own part of K through a private cp.async ring, and
 //     the parts meet in shared memory for the epilogue (activation into act, or GEMM2's store
-//     or atomic add; deterministic, GEMM2 also sums each token whose rows are all stored).
+//     or atomic add).
 //
 // Why this shape: where an expert sees a handful of rows, the GEMM is a weight stream, and
 // what it needs is many bytes in flight per SM with nothing between a load and the next one.
@@ -24,7 +24,6 @@
 #include <cuda_fp16.h>
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
-#include "moerunner/kernels/kernel_combine.cuh"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
 #include "moerunner/kernels/kernel_local_plan.cuh"
 #include "moerunner/kernels/pdl.cuh"
@@ -241,59 +240,10 @@ struct moe_stream_gemm {
                 acc[m][b][q];
       __syncthreads();
       if (threadIdx.x < out_vectors) store(red, p, r.tile, r.n0, tile_rows, threadIdx.x);
-      if constexpr (Kind == moe_gemm_kind::down)
-        if (p.combine_out != nullptr) combine_finished_tokens(p, r, tile_rows);
       // The next item overwrites the partial sums.
       __syncthreads();
     }
     cp_async_wait<0>();  // only empty groups are left
-  }
-
-  // Deterministic decode (p.combine_out): each of the item's rows counts itself for its token
-  // and this N tile once the CTA's row stores are visible device-wide (fence, then the count).
-  // The CTA that brings a token's count to the token's stored rows has every one of them and
-  // sums them into the output in slot order (combine_slots, as combine_rows). Rows are read
-  // through L2: other SMs wrote them, and this SM's L1 may hold a line shared with a row read
-  // for another token.
-  __device__ __forceinline__ static void combine_finished_tokens(const moe_gemm_params<T>& p, const item_ref& r,
-                                                                 int tile_rows) {
-    constexpr int vecs_per_token = out_cols / 8;
-    __shared__ bool last[bm];
-    const int t = static_cast<int>(threadIdx.x);
-    __threadfence();
-    __syncthreads();
-    if (t < tile_rows) {
-      const int token = p.row_to_slot[r.tile.row_begin + t] / p.top_k;
-      int rows_of_token = 0;
-      for (int j = 0; j < p.top_k; ++j) rows_of_token += p.slot_to_row[token * p.top_k + j] >= 0 ? 1 : 0;
-      const int before = atomicAdd(p.combine_counts + static_cast<std::int64_t>(token) * p.n_tiles + r.n0 / out_cols, 1);
-      __threadfence();  // the rows counted before ours are read after the count
-      last[t] = before == rows_of_token - 1;
-    }
-    __syncthreads();
-    const int row = t / vecs_per_token, col = r.n0 + (t % vecs_per_token) * 8;
-    if (row >= tile_rows || !last[row] || col >= p.n) return;
-    const std::int64_t token = p.row_to_slot[r.tile.row_begin + row] / p.top_k, first_slot = token * p.top_k;
-    float acc[8];
-    combine_slots<8>(
-        p.top_k, first_slot, [&](int j) { return static_cast<std::int64_t>(p.slot_to_row[first_slot + j]); },
-        [&](std::int64_t src, float (&v)[8]) { load8_f32_l2(p.c + src * p.n + col, v); }, p.out_weights,
-        p.out_scale, acc);
-    store_f32<8>(p.combine_out + token * p.n + col, acc);
-  }
-
-  // Deterministic decode (p.combine_out): a token none of whose slots has a row gets no
-  // combine above; its output row is zeros, as combine_rows gives it. The grid's threads share
-  // its vectors; after the programmatic wait (in place, the output is x, which GEMM1 read).
-  __device__ __forceinline__ static void zero_rowless_tokens(const moe_gemm_params<T>& p) {
-    const std::int64_t vecs = p.n / 8, tokens = p.local_slots / p.top_k;
-    for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * threads + threadIdx.x; i < tokens * vecs;
-         i += static_cast<std::int64_t>(gridDim.x) * threads) {
-      const std::int64_t token = i / vecs;
-      bool rowless = true;
-      for (int j = 0; j < p.top_k; ++j) rowless &= p.slot_to_row[token * p.top_k + j] < 0;
-      if (rowless) *reinterpret_cast<uint4*>(p.combine_out + token * p.n + (i % vecs) * 8) = make_uint4(0, 0, 0, 0);
-    }
   }
 
   // Eight outputs of one token: the warps' sums of local rows [c, c + 8).
@@ -348,12 +298,9 @@ __global__ void __launch_bounds__(Policy::tuning.threads()) moe_stream_gemm_kern
       q.tiles = plan.tiles;
       q.tile_count = &plan.tile_count;
       q.row_to_slot = plan.row_to_slot;
-      q.slot_to_row = plan.slot_to_row;
     }
     if constexpr (Kind != moe_gemm_kind::down) clear_output(p, static_cast<int>(threadIdx.x), tile_t::threads);
     tile_t::run(ring, red, q);
-    if constexpr (Kind == moe_gemm_kind::down)
-      if (q.combine_out != nullptr) tile_t::zero_rowless_tokens(q);
   }
 }
 

@@ -40,17 +40,6 @@ __device__ __forceinline__ void load_f32(const T* p, float (&v)[VEC]) {
   }
 }
 
-// Eight 16-bit elements as f32, read through L2 (ld.global.cg): for data other CTAs of the same
-// kernel wrote, which this SM's L1 may hold an older copy of.
-template <class T>
-__device__ __forceinline__ void load8_f32_l2(const T* p, float (&v)[8]) {
-  static_assert(sizeof(T) == 2);
-  const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p));
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = to_f32(e[i]);
-}
-
 template <int VEC, class T>
 __device__ __forceinline__ void store_f32(T* p, const float (&v)[VEC]) {
   if constexpr (VEC == 8 && sizeof(T) == 2) {

@@ -13,9 +13,7 @@
 //        - default: adds it into its token's output row with packed atomics (GEMM1 zeroed the
 //          output; with inplace a memset does, after GEMM1 has read x). The order of the
 //          additions per token varies from run to run, so the last bit may too;
-//        - deterministic: writes rows [R, H], which combine_rows sums per token in slot order
-//          (at decode, with the schedule in the GEMMs, GEMM2 sums a token's rows itself, in
-//          the same order, once it has stored the last of them);
+//        - deterministic: writes rows [R, H], which combine_rows sums per token in slot order;
 //        - no_combine: writes each row to its [token, slot] place in the output (deterministic).
 //      At decode, where GEMM2's (M tile, N tile) items leave SMs idle, the wgmma GEMM2 also
 //      splits K over more CTAs: their parts meet in the atomics, or (deterministic) are
@@ -127,8 +125,7 @@ class cuda_fused_policy {
   // Alignment slack + routing plan + M-tile schedule + act [M*k, I], each piece 256-byte
   // aligned, and when deterministic and combining the rows GEMM2 writes for combine: [M*k, H]
   // at 2 bytes, or where GEMM2 splits K at decode its f32 parts [splits, M*k, H] (the split
-  // count depends on the current device's SM count), and up to 64 slots GEMM2's row counts
-  // [M, H / 32] int32. Exactly what run_from_dispatch carves.
+  // count depends on the current device's SM count). Exactly what run_from_dispatch carves.
   std::size_t workspace_bytes(std::int64_t num_tokens) const {
     return layout(num_tokens, down_k_splits(num_tokens, gpu::current_sm_count_or_zero())).total;
   }
@@ -226,15 +223,8 @@ class cuda_fused_policy {
     std::size_t plan = 0, plan_bytes = 0;
     std::size_t schedule = 0, schedule_bytes = 0;
     std::size_t act = 0, rows = 0;
-    std::size_t counts = 0, counts_bytes = 0;  // deterministic decode: GEMM2's per-(token, N tile) row counts
     std::size_t total = 0;  // including the slack that aligns the start
   };
-
-  // N tiles of the stream GEMM2 (its items' output columns), which the combine counts go by.
-  std::size_t down_combine_n_tiles() const {
-    constexpr int cols = gpu::stream_gemm_policy::tuning.block_n;
-    return static_cast<std::size_t>((cfg_.hidden_size() + cols - 1) / cols);
-  }
 
   // Where GEMM2 puts its rows (see the pipeline at the top), without K splits.
   kernels::down_store store_mode() const {
@@ -283,11 +273,7 @@ class cuda_fused_policy {
     if (store_mode() == kernels::down_store::rows)
       rows_bytes = round_up(splits > 1 ? static_cast<std::size_t>(splits) * row_elems * sizeof(float)
                                        : row_elems * element_bytes);
-    p.counts = p.rows + rows_bytes;
-    // Up to local_plan_max_slots slots the deterministic stream GEMM2 may combine itself.
-    if (store_mode() == kernels::down_store::rows && slots <= kernels::local_plan_max_slots)
-      p.counts_bytes = round_up(static_cast<std::size_t>(num_tokens) * down_combine_n_tiles() * sizeof(std::int32_t));
-    const std::size_t end = p.counts + p.counts_bytes;
+    const std::size_t end = p.rows + rows_bytes;
     p.total = end + piece_alignment;
     return p;
   }
@@ -363,11 +349,6 @@ class cuda_fused_policy {
     // GEMM1 zeroes what GEMM2 adds into (accumulate), or the slots no row reaches (no_combine);
     // an output that aliases x (inplace) is zeroed only once GEMM1 has read x.
     const bool clear_in_gemm1 = store != kernels::down_store::rows && !cfg_.inplace();
-    // Deterministic with the schedule in the GEMMs: GEMM2 sums each token's rows itself once it
-    // has stored the last of them (no combine kernel), with 16-byte stores into the output.
-    const bool combine_in_gemm2 = schedule_in_gemms && store == kernels::down_store::rows && lay.counts_bytes > 0 &&
-                                  reinterpret_cast<std::uintptr_t>(out.data) % pointer_alignment == 0;
-    auto* counts = reinterpret_cast<std::int32_t*>(base + lay.counts);
 
     kernels::moe_gemm_params<T> g1{};
     g1.a = d.hidden_states.ptr<const T>();
@@ -383,9 +364,6 @@ class cuda_fused_policy {
     if (clear_in_gemm1) {
       g1.clear = static_cast<uint4*>(out.data);
       g1.clear_vectors = static_cast<std::int64_t>(out.bytes() / sizeof(uint4));  // H % 8 == 0: whole vectors
-    } else if (combine_in_gemm2) {
-      g1.clear = reinterpret_cast<uint4*>(counts);  // GEMM2's counts start at zero
-      g1.clear_vectors = static_cast<std::int64_t>(lay.counts_bytes / sizeof(uint4));
     }
     if (schedule_in_gemms) {
       g1.local_ids = d.topk.topk_ids.ptr<const std::int32_t>();
@@ -422,12 +400,6 @@ class cuda_fused_policy {
       g2.split_stride = slots * hidden;
     } else if (store == kernels::down_store::rows) {
       g2.c = reinterpret_cast<T*>(base + lay.rows);
-      if (combine_in_gemm2) {
-        g2.combine_out = static_cast<T*>(out.data);
-        g2.combine_counts = counts;
-        g2.out_weights = row_weights;
-        g2.out_scale = scale;
-      }
     } else {
       g2.c = static_cast<T*>(out.data);
       g2.out_weights = row_weights;
@@ -439,11 +411,11 @@ class cuda_fused_policy {
     launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream,
                                                              (dependent || stream_gemm) && !memset_between);
 
-    // Deterministic: combine sums the rows (unless GEMM2 did), launched as GEMM2's programmatic
-    // dependent when the GEMMs are launched so (by default with the stream GEMMs).
+    // Deterministic: combine sums the rows, launched as GEMM2's programmatic dependent when the
+    // GEMMs are launched so (by default with the stream GEMMs).
     if (g2.store == kernels::down_store::partials)
       gpu::combine_rows(g2.partials, dtype::f32, plan, row_weights, scale, out, false, stream, splits, dependent);
-    else if (store == kernels::down_store::rows && !combine_in_gemm2)
+    else if (store == kernels::down_store::rows)
       gpu::combine_rows(g2.c, d.hidden_states.type, plan, row_weights, scale, out, false, stream, 1, dependent);
   }
 
