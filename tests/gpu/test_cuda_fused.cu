@@ -259,6 +259,37 @@ TEST_CASE("cuda_fused matches the reference: the decode schedule built in the GE
   }
 }
 
+TEST_CASE("cuda_fused deterministic at decode: the same bits with the schedule in the GEMMs or the plan kernel") {
+  // Up to 64 slots the GEMMs order the rows themselves and GEMM1 writes the slot_to_row the
+  // combine kernel reads; the plan kernel orders them the same way, so the bits must agree.
+  const unsigned seed = std::random_device{}();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  const std::pair<shape, options> cases[] = {
+      {{1, 8, 8, odd_h, odd_i}, {}},                                // one token on 8 experts
+      {{8, 64, 8, odd_h, odd_i}, {}},                               // 64 slots
+      {{6, 16, 4, odd_h, odd_i}, {.ids = ids_kind::filtered}},      // tokens with fewer rows
+      {{5, 16, 4, odd_h, odd_i}, {.ids = ids_kind::all_filtered}},  // no row: zeros
+      {{32, 8, 2, odd_h, odd_i}, {.ids = ids_kind::one_expert}},    // 8 tiles of one expert
+      {{3, 8, 1, 520, 2048}, {.weight_on_input = true}},            // rows carry the weights
+      {{4, 8, 2, odd_h, odd_i}, {.scaling = 2.5f}},
+  };
+  for (const auto& [sh, opt] : cases)
+    for (mr::dtype t : both_types) {
+      const problem p(sh, t, opt, rng);
+      CAPTURE(describe(sh, t, opt, tuning::automatic, true));
+      on_device kernel(p, tuning::automatic, true, 0, {.plan_in_gemms = false});
+      const host_tensor want = kernel.run_once(p);
+      compare(p, want);
+      on_device own(p, tuning::automatic, true, 0, {.plan_in_gemms = true});
+      MOE_CUDA_CHECK(cudaMemset(own.ws_buf.get(), 0xff, own.ws_buf.bytes()));  // stale scratch must not matter
+      const host_tensor got = own.run_once(p);
+      CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);
+      const host_tensor again = own.run_once(p);
+      CHECK(std::memcmp(again.view.data, want.view.data, want.view.bytes()) == 0);
+    }
+}
+
 TEST_CASE("cuda_fused leaves out expert ids outside [-1, E) as it does -1") {
   // Out-of-range ids in place of the -1 of a filtered routing: the same output. 24 * 2 slots
   // with plan_in_gemms take the schedule built in the decode GEMMs, the others the plan kernel.
