@@ -23,7 +23,8 @@
 #                      the bench step also builds its moe_bench and runs it with the same arguments right
 #                      after this tree's, adding its rows to the results as BACKEND@baseline, so that two
 #                      versions are compared on one machine (runs on different machines differ by 10-20%)
-#   --sanitizer-args   extra arguments passed to each GPU test under compute-sanitizer (e.g. a doctest filter)
+#   --sanitizer-args   extra arguments passed to each GPU test under compute-sanitizer (e.g. a doctest filter;
+#                      split at spaces, so write a space inside a test name as ?: -tc=*own?combine*)
 #   --profile-cells    benchmark cells for the profile step, Shape:M comma-separated (default
 #                      Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1): Nsight Compute (ncu, clocks left
 #                      alone) over the two GEMMs of one run of each cell, into logs/profile-*.log
