@@ -19,6 +19,7 @@
 #include "moerunner/core/tensor_view.hpp"
 #include "moerunner/lora/lora.hpp"
 #include "moerunner/policies/reference_policy.hpp"
+#include "../common/test_seed.hpp"
 #include "../common/test_tensors.hpp"
 
 namespace moerunner::cpu_test {

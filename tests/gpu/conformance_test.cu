@@ -40,7 +40,9 @@ void check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& rng
 
 template <class P>
 void conformance_cases() {
-  std::mt19937 rng(std::random_device{}());
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
   const mr::dtype types[] = {mr::dtype::bf16, mr::dtype::f16};
   const auto gelu = mr::activation_kind::gelu;
   for (mr::dtype t : types) {
@@ -81,7 +83,9 @@ void conformance_cases() {
 // A NaN in one token's input must reach that token's output and no other.
 template <class P>
 void nan_isolation() {
-  std::mt19937 rng(std::random_device{}());
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
   problem p({16, 8, 2, 128, 64}, mr::dtype::bf16, {}, rng);
   const int bad = 5;
   mr::test::set_element(p.x.view, bad * 128 + 3, NAN);
@@ -97,7 +101,9 @@ void nan_isolation() {
 // With deterministic set: bitwise identical outputs across 100 runs, and from a replayed CUDA graph.
 template <class P>
 void determinism_and_graphs() {
-  std::mt19937 rng(std::random_device{}());
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
   problem p({257, 16, 4, 256, 128}, mr::dtype::bf16, {.deterministic = true}, rng);
   gpu_run<P> g(p);
   const host_tensor first = g.run_once(p);

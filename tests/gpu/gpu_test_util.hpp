@@ -13,6 +13,7 @@
 #include "moerunner/core/tensor_view.hpp"
 #include "moerunner/reference/routing.hpp"
 #include "moerunner/gpu/cuda_check.hpp"
+#include "../common/test_seed.hpp"
 #include "../common/test_tensors.hpp"
 
 namespace moerunner::test {

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -13,12 +12,6 @@
 #include "moerunner/gpu/permute.cuh"
 
 namespace moerunner::test {
-
-// The seed of a test's random data: fresh each run, fixed by MOERUNNER_TEST_SEED to reproduce one.
-inline std::uint32_t test_seed() {
-  if (const char* s = std::getenv("MOERUNNER_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
-  return std::random_device{}();
-}
 
 struct expected_plan {
   std::vector<std::int32_t> offsets;      // [E + 1]

@@ -53,13 +53,17 @@ TEST_CASE("cublas_grouped declares that it synchronizes") {
 }
 
 TEST_CASE("cublas_grouped matches the reference: token counts") {
-  std::mt19937 rng(std::random_device{}());
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
   for (mr::dtype t : both_types)
     for (int m : {0, 1, 7, 1000}) check_against_reference({m, 8, 2, 256, 128}, t, {}, rng);
 }
 
 TEST_CASE("cublas_grouped matches the reference: experts and top-k") {
-  std::mt19937 rng(std::random_device{}());
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
   for (mr::dtype t : both_types) {
     check_against_reference({64, 8, 1, 128, 64}, t, {}, rng);
     check_against_reference({5, 64, 2, 128, 64}, t, {}, rng);   // most experts get no tokens
@@ -69,7 +73,9 @@ TEST_CASE("cublas_grouped matches the reference: experts and top-k") {
 }
 
 TEST_CASE("cublas_grouped matches the reference: routing shapes") {
-  std::mt19937 rng(std::random_device{}());
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
   for (mr::dtype t : both_types) {
     check_against_reference({96, 8, 2, 128, 64}, t, {.ids = ids_kind::one_expert}, rng);
     check_against_reference({96, 8, 2, 128, 64}, t, {.ids = ids_kind::filtered}, rng);
@@ -78,7 +84,9 @@ TEST_CASE("cublas_grouped matches the reference: routing shapes") {
 }
 
 TEST_CASE("cublas_grouped matches the reference: activations and modes") {
-  std::mt19937 rng(std::random_device{}());
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
   for (mr::dtype t : both_types) {
     check_against_reference({33, 8, 2, 128, 64}, t, {.act = mr::activation_kind::gelu}, rng);
     check_against_reference({33, 8, 2, 128, 64}, t, {.act = mr::activation_kind::swiglu_clamped}, rng);
@@ -153,7 +161,9 @@ TEST_CASE("cublas_grouped rejects f32 activations with a clear error") {
 }
 
 TEST_CASE("cublas_grouped stays correct when runs alternate between streams") {
-  std::mt19937 rng(std::random_device{}());
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
   problem a({300, 16, 4, 256, 128}, mr::dtype::bf16, {}, rng);
   problem b({300, 16, 4, 256, 128}, mr::dtype::bf16, {}, rng);
   on_device ga(a), gb(b);
@@ -178,7 +188,9 @@ TEST_CASE("cublas_grouped stays correct when runs alternate between streams") {
 }
 
 TEST_CASE("a moved cublas_grouped policy keeps its handle and runs") {
-  std::mt19937 rng(std::random_device{}());
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
   problem p({64, 8, 2, 128, 64}, mr::dtype::f16, {}, rng);
   on_device g(p);
   mr::cublas_grouped_policy first(p.cfg);
