@@ -128,6 +128,15 @@ inline routing_plan build_routing_plan(const tensor_view& topk_ids, int num_expe
   return b.plan;
 }
 
+// Checks topk_ids and the workspace as build_routing_plan does and carves the plan's pieces,
+// launching nothing: for a caller whose own kernels write the plan (the decode GEMMs of
+// cuda_fused write its error flag, and slot_to_row when combine reads it). Errors name `where`.
+inline routing_plan carve_routing_plan(const tensor_view& topk_ids, int num_experts, void* workspace,
+                                       std::size_t workspace_bytes, const char* where) {
+  return plan_detail::prepare_routing_plan(topk_ids, num_experts, workspace, workspace_bytes, where, "workspace")
+      .plan;
+}
+
 // Copies the plan's bad-id flag to the host. SYNCHRONIZES `stream` (so it cannot be captured
 // in a graph): meant for tests and for callers that validate ids outside a captured run.
 inline int read_plan_error(const routing_plan& plan, cudaStream_t stream) {

@@ -331,10 +331,9 @@ class cuda_fused_policy {
     gpu::routing_plan plan;
     gpu::tile_schedule schedule;
     if (schedule_in_gemms) {
-      // Only checks the ids and carves the plan's pieces: the GEMMs write its error flag.
-      plan = gpu::plan_detail::prepare_routing_plan(d.topk.topk_ids, cfg_.num_local_experts(), base + lay.plan,
-                                                    lay.plan_bytes, "cuda_fused_policy", "workspace")
-                 .plan;
+      // The GEMMs write the plan: only its pieces are carved here (the ids and workspace checked).
+      plan = gpu::carve_routing_plan(d.topk.topk_ids, cfg_.num_local_experts(), base + lay.plan, lay.plan_bytes,
+                                     "cuda_fused_policy");
       schedule.capacity = gpu::moe_m_tile_capacity(slots, cfg_.num_local_experts(), tuning.schedule_block_m());
       schedule.block_m = tuning.schedule_block_m();
     } else {
