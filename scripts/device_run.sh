@@ -8,6 +8,7 @@
 #
 #   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,profile]
 #                         [--archs 90a] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
+#                         [--sanitize-seconds N]
 #                         [--profile-cells "Shape:M,..."] [--profile-backends "a,b"] [--profile-source]
 #                         [--baseline DIR] [--pack]
 #
@@ -25,6 +26,9 @@
 #                      versions are compared on one machine (runs on different machines differ by 10-20%)
 #   --sanitizer-args   extra arguments passed to each GPU test under compute-sanitizer (e.g. a doctest filter;
 #                      split at spaces, so write a space inside a test name as ?: -tc=*own?combine*)
+#   --sanitize-seconds N  the most each compute-sanitizer run may take (default 240; racecheck of the
+#                      largest test program needs more than that: give it a call of its own,
+#                      --steps sanitize on the build a previous call left)
 #   --profile-cells    benchmark cells for the profile step, Shape:M comma-separated (default
 #                      Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1): Nsight Compute (ncu, clocks left
 #                      alone) over the two GEMMs of one run of each cell, into logs/profile-*.log
@@ -50,6 +54,7 @@ budget=570
 bench_args=""
 baseline=""
 sanitizer_args=""
+sanitize_seconds=240
 profile_cells="Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1"
 profile_source=0
 profile_backends="cuda_fused"
@@ -65,6 +70,7 @@ while [[ $# -gt 0 ]]; do
     --bench-args) bench_args=$2; shift 2 ;;
     --baseline) baseline=$(cd "$2" && pwd) || exit 2; shift 2 ;;
     --sanitizer-args) sanitizer_args=$2; shift 2 ;;
+    --sanitize-seconds) sanitize_seconds=$2; shift 2 ;;
     --profile-cells) profile_cells=$2; shift 2 ;;
     --profile-source) profile_source=1; shift ;;
     --profile-backends) profile_backends=$2; shift 2 ;;
@@ -73,6 +79,7 @@ while [[ $# -gt 0 ]]; do
     *) echo "device_run: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+[[ "$sanitize_seconds" =~ ^[0-9]+$ ]] || { echo "device_run: --sanitize-seconds takes whole seconds" >&2; exit 2; }
 mkdir -p "$out_dir/logs"
 out_dir=$(cd "$out_dir" && pwd)
 results=${results:-$out_dir/h200.jsonl}
@@ -221,7 +228,7 @@ fi
 
 # ---------------------------------------------------------------- compute-sanitizer
 if has_step sanitize; then
-  t=$(step_timeout 240 "$(reserve_after sanitize)")
+  t=$(step_timeout "$sanitize_seconds" "$(reserve_after sanitize)")
   if [[ -z "$sanitizer" ]]; then
     record sanitize skipped "compute-sanitizer not found"
   elif ! out_of_time sanitize "$t"; then
