@@ -422,7 +422,7 @@ routing_times routing_ms(const shape_desc& sh, const routing_set& r, std::int64_
   const bool dependent = tile == mr::gpu::sm90_tile::stream;
   // Up to local_plan_max_slots slots its stream GEMMs order the rows themselves (their time
   // holds that work): no plan kernel runs after topk.
-  if (dependent && m * sh.k <= mr::kernels::local_plan_max_slots) {
+  if (tile == mr::gpu::sm90_tile::stream && m * sh.k <= mr::kernels::local_plan_max_slots) {
     t.with_plan_ms = t.topk_ms;
     return t;
   }

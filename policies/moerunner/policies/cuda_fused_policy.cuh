@@ -28,13 +28,12 @@
 // kernel runs then (unless set_plan_in_gemms(false)): every CTA of both GEMMs orders the rows
 // and cuts the tiles itself from topk_ids in shared memory, exactly as the plan would
 // (kernel_local_plan.cuh), and GEMM1's first CTA sets the error flag and, for the deterministic
-// combine, writes the plan's slot_to_row. The wgmma kernels
-// come with M tiles of 64 rows (two consumer warpgroups splitting the weight rows, five
-// stages) where active experts average at most 64 rows; with 128-row tiles in pairs of CTAs
-// that share each weight tile by TMA multicast where they average 512 or more, single 128-row
-// tiles between; and with 64 x 128 tiles (one consumer warpgroup, eight stages) where GEMM1's
-// 64 x 256 items would leave SMs idle (gpu::sm90_tile_for). set_gemm_tuning forces one (tests,
-// benchmarks).
+// combine, writes the plan's slot_to_row. The wgmma kernels come with M tiles of 64 rows (two
+// consumer warpgroups splitting the weight rows, five stages) where active experts average at
+// most 64 rows; with 128-row tiles in pairs of CTAs that share each weight tile by TMA
+// multicast where they average 512 or more, single 128-row tiles between; and with 64 x 128
+// tiles (one consumer warpgroup, eight stages) where GEMM1's 64 x 256 items would leave SMs
+// idle (gpu::sm90_tile_for). set_gemm_tuning forces one (tests, benchmarks).
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
