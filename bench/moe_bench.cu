@@ -15,8 +15,10 @@
 // cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the default is 8) and
 // cuda_fused_pdl / cuda_fused_nopdl (programmatic dependent launches on / off everywhere; by
 // default on with the stream GEMMs only) and cuda_fused_plankernel (the plan kernel at decode,
-// where by default the stream GEMMs build the schedule themselves: set_plan_in_gemms), which
-// measure one choice each.
+// where by default the stream GEMMs build the schedule themselves: set_plan_in_gemms),
+// cuda_fused_noprefetch (the stream GEMM1 asks L2 for none of GEMM2's weights:
+// set_down_prefetch_bytes(0)) and cuda_fused_fetch256 (the stream GEMMs' weight copies ask HBM
+// for 256-byte blocks: set_weight_fetch_256), which measure one choice each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -99,6 +101,10 @@ struct backend_variant {
   // cuda_fused: programmatic dependent launches (unset: the policy's choice)
   std::optional<bool> dependent = std::nullopt;
   bool plan_in_gemms = true;  // cuda_fused at decode: the schedule built in the GEMMs (else the plan kernel)
+  // cuda_fused with the stream GEMMs: GEMM2 weight bytes GEMM1 asks L2 for (unset: the policy's)
+  // and 256-byte weight fetches.
+  std::optional<std::int64_t> down_prefetch_bytes = std::nullopt;
+  bool weight_fetch_256 = false;
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -113,6 +119,10 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_nopdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, false},
     {"cuda_fused_plankernel", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
      false},
+    {"cuda_fused_noprefetch", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, 0},
+    {"cuda_fused_fetch256", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, std::nullopt, true},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -596,6 +606,8 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_raster_band(variant->raster_band);
           if (variant->dependent) core.set_dependent_launch(*variant->dependent);
           core.set_plan_in_gemms(variant->plan_in_gemms);
+          if (variant->down_prefetch_bytes) core.set_down_prefetch_bytes(*variant->down_prefetch_bytes);
+          core.set_weight_fetch_256(variant->weight_fetch_256);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

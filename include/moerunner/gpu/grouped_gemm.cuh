@@ -103,6 +103,7 @@ struct device_facts {
   int arch = 0;       // compute capability as 80, 86, 90, ...
   int code_arch = 0;  // virtual architecture of the kernel image this device runs
   int sm_count = 0;
+  int l2_bytes = 0;
 };
 
 // Which of the compiled images the device runs decides what a kernel body holds (each
@@ -139,6 +140,7 @@ inline device_facts current_device_facts() {
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, f.device));
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, f.device));
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, f.device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&f.l2_bytes, cudaDevAttrL2CacheSize, f.device));
   f.arch = major * 10 + minor;
   f.code_arch = kernel_code_arch(f.device);
   return f;

@@ -19,6 +19,33 @@
 
 namespace moerunner::gpu {
 
+// The persistent grid of a stream GEMM over `schedule` (fills p.tiles, p.tile_count, p.n_tiles).
+template <class T, class Policy, kernels::moe_gemm_kind Kind>
+unsigned stream_gemm_grid(kernels::moe_gemm_params<T>& p, const tile_schedule& schedule, const device_facts& dev) {
+  const int per_sm = resident_ctas<kernels::moe_stream_gemm_kernel<T, Policy, Kind>>(
+      dev.device, Policy::tuning.threads(), Policy::tuning.smem_bytes(), "gpu::launch_moe_stream_gemm");
+  return persistent_gemm_grid(p, schedule, kernels::moe_stream_gemm<T, Policy, Kind>::out_cols, per_sm, dev);
+}
+
+// What GEMM1 of a stream pair needs to ask L2 for up to `bytes` of GEMM2's first weights
+// (moe_stream_gemm::prefetch_next_weights): GEMM2's operand `g2` as it will be launched, and
+// its grid.
+template <class T, class Policy>
+typename kernels::moe_gemm_params<T>::next_gemm stream_next_gemm(kernels::moe_gemm_params<T> g2,
+                                                                 const tile_schedule& schedule,
+                                                                 const device_facts& dev, std::int64_t bytes) {
+  typename kernels::moe_gemm_params<T>::next_gemm nx;
+  if (bytes <= 0 || schedule.capacity == 0) return nx;
+  nx.grid = static_cast<int>(stream_gemm_grid<T, Policy, kernels::moe_gemm_kind::down>(g2, schedule, dev));
+  nx.b = g2.b;
+  nx.b_rows_per_expert = g2.b_rows_per_expert;
+  nx.n = g2.n;
+  nx.k = g2.k;
+  nx.n_tiles = g2.n_tiles;
+  nx.bytes = bytes;
+  return nx;
+}
+
 // Launches one grouped GEMM of a stream tuning over the schedule's tiles (built for its
 // block_m); `p.tiles`, `p.tile_count` and `p.n_tiles` are filled here from `schedule`, or with
 // p.local_ids set each CTA builds the schedule itself and only the schedule's capacity (the
@@ -39,11 +66,11 @@ void launch_moe_stream_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& 
   MOE_EXPECT((p.local_error == nullptr && p.local_slot_to_row == nullptr) ||
                  (p.local_ids != nullptr && Kind != kernels::moe_gemm_kind::down),
              where, "only GEMM1 building its own schedule writes the plan's error flag and slot_to_row");
+  MOE_EXPECT(p.next.b == nullptr || (Kind != kernels::moe_gemm_kind::down && p.next.k > 0 && p.next.k % 8 == 0 &&
+                                      p.next.n > 0 && p.next.n_tiles > 0 && p.next.bytes >= 0),
+             where, "only GEMM1 asks L2 for the next GEMM's weights, and that GEMM's sizes must be set");
   if (schedule.capacity == 0) return;
-  const int per_sm = resident_ctas<kernels::moe_stream_gemm_kernel<T, Policy, Kind>>(
-      dev.device, tuning.threads(), tuning.smem_bytes(), where);
-  const unsigned grid =
-      persistent_gemm_grid(p, schedule, kernels::moe_stream_gemm<T, Policy, Kind>::out_cols, per_sm, dev);
+  const unsigned grid = stream_gemm_grid<T, Policy, Kind>(p, schedule, dev);
   launch_dependent(kernels::moe_stream_gemm_kernel<T, Policy, Kind>, dim3(grid), dim3(tuning.threads()),
                    tuning.smem_bytes(), stream, dependent_launch, p);
   MOE_CUDA_CHECK_LAUNCH("moe_stream_gemm_kernel");

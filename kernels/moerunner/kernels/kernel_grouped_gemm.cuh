@@ -152,6 +152,19 @@ struct moe_gemm_params {
   int local_experts = 0;
   std::int32_t* local_error = nullptr;  // GEMM1: the plan's error flag, written by CTA 0
   std::int32_t* local_slot_to_row = nullptr;  // GEMM1, or null: the plan's slot_to_row, written by CTA 0
+  // Stream GEMM1 only: the GEMM2 whose first weights its CTAs ask L2 for (next.b null: none).
+  struct next_gemm {
+    const T* b = nullptr;  // GEMM2's weights, [E, b_rows_per_expert, k]
+    std::int64_t b_rows_per_expert = 0;
+    int n = 0, k = 0, n_tiles = 0;
+    int grid = 0;            // GEMM2's CTAs: its first `grid` items are its first wave
+    std::int64_t bytes = 0;  // what may be asked for in all
+  } next;
+  // Stream GEMMs: weight copies marked evict-first in L2 (so that streaming them leaves the
+  // lines asked for through `next` in place), and fetched from HBM 256 bytes at a time (the
+  // warp's next K tile of each row comes with its current one).
+  bool weights_evict_first = false;
+  bool weights_fetch_256 = false;
 };
 
 // One work item of a persistent grid: an M tile, an N tile and a K range.

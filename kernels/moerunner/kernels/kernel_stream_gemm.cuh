@@ -25,6 +25,7 @@
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
+#include "moerunner/kernels/l2_hints.cuh"
 #include "moerunner/kernels/kernel_local_plan.cuh"
 #include "moerunner/kernels/pdl.cuh"
 
@@ -70,15 +71,20 @@ struct moe_stream_gemm {
   // The cp.async copies of K tile `kt` into `stage` for stage rows [First * 4, Last * 4) (the
   // weight rows are copies [0, bn / 4), the token rows the rest): pieces past K or of a null row
   // read as zeros. `p_any` is any valid address: a copy that reads nothing still names one.
+  // Weight copies carry the L2 policy `weight_policy` (and the 256-byte fetch hint if asked).
   template <int First, int Last>
   __device__ __forceinline__ static void load_stage(T* stage, const T* const (&src)[copies], const T* p_any, int kt,
-                                                    int k, int lane) {
+                                                    int k, int lane, std::uint64_t weight_policy, bool fetch_256) {
     const int piece = lane & 7, kcol = kt * bk + piece * 8;
 #pragma unroll
     for (int i = First; i < Last; ++i) {
       const int r = i * 4 + (lane >> 3);
       const bool ok = src[i] != nullptr && kcol < k;  // k is a multiple of 8: a piece is wholly in or out
-      cp_async_16(smem_address(stage + r * bk + swizzled_chunk<bk>(r, piece) * 8), ok ? src[i] + kcol : p_any, ok);
+      const std::uint32_t dst = smem_address(stage + r * bk + swizzled_chunk<bk>(r, piece) * 8);
+      const T* from = ok ? src[i] + kcol : p_any;
+      if (i >= bn / 4) cp_async_16(dst, from, ok);
+      else if (fetch_256) cp_async_16_hinted<true>(dst, from, ok, weight_policy);
+      else cp_async_16_hinted<false>(dst, from, ok, weight_policy);
     }
   }
 
@@ -135,10 +141,73 @@ struct moe_stream_gemm {
     return p.local_ids != nullptr ? *src : __ldcg(src);
   }
 
+  __device__ __forceinline__ static gpu::moe_m_tile tile_at(const moe_gemm_params<T>& p, int m_tile) {
+    const int4 t = read_schedule(p, reinterpret_cast<const int4*>(p.tiles + m_tile));
+    return {t.x, t.y, t.z, t.w};
+  }
+
   __device__ __forceinline__ static item_ref item_at(const moe_gemm_params<T>& p, int tiles, std::int64_t w) {
     const moe_work_item it = decode_work_item(w, tiles, p.n_tiles, 1, p.raster_band);
-    const int4 t = read_schedule(p, reinterpret_cast<const int4*>(p.tiles + it.m_tile));
-    return {{t.x, t.y, t.z, t.w}, it.n_tile * out_cols};
+    return {tile_at(p, it.m_tile), it.n_tile * out_cols};
+  }
+
+  // GEMM1 asks L2 for the weights GEMM2 (the same tuning, over the same schedule) reads first,
+  // in GEMM2's item order, up to p.next.bytes in all: whole items when GEMM2's first wave fits
+  // (then further items while the bytes last), else the first K tiles of every warp's range of
+  // each first-wave item, the tiles GEMM2's rings load first. A few tokens leave HBM idle
+  // through GEMM1's tail, GEMM2's launch and its ramp; this fills that time with bytes GEMM2
+  // would read anyway, and GEMM2 starts on L2 hits. The prefetches hold no registers or shared
+  // memory, and change no result.
+  __device__ __forceinline__ static void prefetch_next_weights(const moe_gemm_params<T>& p, int tiles) {
+    const auto& nx = p.next;
+    const std::int64_t work = static_cast<std::int64_t>(tiles) * nx.n_tiles;
+    if (nx.b == nullptr || work == 0 || nx.grid <= 0) return;
+    constexpr int next_cols = bn;  // GEMM2 is never gated
+    constexpr std::int64_t tile_row_bytes = bk * sizeof(T);
+    constexpr std::int64_t prefetch_chunk = 64 * 1024;  // bytes of one bulk prefetch
+    const int k_tiles = (nx.k + bk - 1) / bk;
+    const int longest = (k_tiles + warps - 1) / warps;
+    const std::int64_t first = work < nx.grid ? work : nx.grid;
+    std::int64_t per_range = nx.bytes / (first * next_cols * warps * tile_row_bytes);  // K tiles
+    std::int64_t items = first;
+    if (per_range >= longest) {
+      per_range = longest;
+      const std::int64_t fit = nx.bytes / (static_cast<std::int64_t>(next_cols) * nx.k * sizeof(T));
+      items = fit < first ? first : (fit < work ? fit : work);
+    }
+    if (per_range == 0) return;
+    const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * threads;
+    // Consecutive tasks on different CTAs: every SM's copy engine takes a share.
+    const std::int64_t first_task = threadIdx.x * static_cast<std::int64_t>(gridDim.x) + blockIdx.x;
+    if (per_range == longest) {
+      // Whole items: an item's rows are consecutive, one range of memory, asked for by one thread.
+      for (std::int64_t i = first_task; i < items; i += stride) {
+        const moe_work_item it = decode_work_item(i, tiles, nx.n_tiles, 1, p.raster_band);
+        const int col = it.n_tile * next_cols;
+        const int rows = nx.n - col < next_cols ? nx.n - col : next_cols;
+        const std::int64_t row = static_cast<std::int64_t>(tile_at(p, it.m_tile).expert) * nx.b_rows_per_expert + col;
+        const char* from = reinterpret_cast<const char*>(nx.b + row * nx.k);
+        const std::int64_t bytes = static_cast<std::int64_t>(rows) * nx.k * sizeof(T);
+        for (std::int64_t off = 0; off < bytes; off += prefetch_chunk)
+          prefetch_l2(from + off, static_cast<std::uint32_t>(bytes - off < prefetch_chunk ? bytes - off : prefetch_chunk));
+      }
+      return;
+    }
+    // The first K tiles of each range: one task per (item, weight row, warp range).
+    const std::int64_t tasks = items * next_cols * warps;
+    for (std::int64_t t = first_task; t < tasks; t += stride) {
+      const int range = static_cast<int>(t % warps), r = static_cast<int>(t / warps % next_cols);
+      const moe_work_item it = decode_work_item(t / (warps * next_cols), tiles, nx.n_tiles, 1, p.raster_band);
+      const int col = it.n_tile * next_cols + r;
+      if (col >= nx.n) continue;
+      int kt_begin = 0, kt_end = 0;
+      split_k_range(k_tiles, range, warps, kt_begin, kt_end);
+      const std::int64_t k0 = static_cast<std::int64_t>(kt_begin) * bk;
+      const std::int64_t elems = per_range * bk < nx.k - k0 ? per_range * bk : nx.k - k0;
+      if (kt_end == kt_begin || elems <= 0) continue;
+      const std::int64_t row = static_cast<std::int64_t>(tile_at(p, it.m_tile).expert) * nx.b_rows_per_expert + col;
+      prefetch_l2(nx.b + row * nx.k + k0, static_cast<std::uint32_t>(elems * sizeof(T)));
+    }
   }
 
   // A warp's copies, stages - 1 K tiles ahead of its mma: the CTA's items form one sequence of
@@ -147,6 +216,7 @@ struct moe_stream_gemm {
   struct loader {
     const T* src[copies];
     std::int64_t item = -1;  // the CTA-local item src[] points into
+    std::uint64_t weight_policy;
 
     // Issues copies [First, Last) of tile g of the sequence (nothing past `total`).
     template <int First = 0, int Last = copies>
@@ -161,7 +231,7 @@ struct moe_stream_gemm {
         for (int i = 0; i < copies; ++i) src[i] = source_row(p, r.tile, r.n0, i * 4 + (lane >> 3));
       }
       load_stage<First, Last>(ring + static_cast<int>(g % stages) * stage_elems, src, p.b,
-                              kt_begin + static_cast<int>(g % n), p.k, lane);
+                              kt_begin + static_cast<int>(g % n), p.k, lane, weight_policy, p.weights_fetch_256);
     }
   };
 
@@ -186,6 +256,7 @@ struct moe_stream_gemm {
     T* my_ring = ring + warp * stages * stage_elems;
 
     loader ld;
+    ld.weight_policy = l2_load_policy(p.weights_evict_first);
     if constexpr (early_weights) {
       // The first tiles' weights before the wait, each tile a group; their token rows after it,
       // one more group, which the first wait below takes whole.
@@ -205,6 +276,8 @@ struct moe_stream_gemm {
         ld.issue(p, tiles, my_ring, s, n, total, kt_begin, lane);
         cp_async_commit();
       }
+      // After this GEMM's own first copies, so that they reach HBM first.
+      prefetch_next_weights(p, tiles);
     }
     for (std::int64_t j = 0; j < items; ++j) {
       const item_ref r = item_at(p, tiles, blockIdx.x + j * gridDim.x);
