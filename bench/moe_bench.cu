@@ -16,9 +16,12 @@
 // cuda_fused_pdl / cuda_fused_nopdl (programmatic dependent launches on / off everywhere; by
 // default on with the stream GEMMs only) and cuda_fused_plankernel (the plan kernel at decode,
 // where by default the stream GEMMs build the schedule themselves: set_plan_in_gemms),
-// cuda_fused_noprefetch (the stream GEMM1 asks L2 for none of GEMM2's weights:
-// set_down_prefetch_bytes(0)) and cuda_fused_fetch256 (the stream GEMMs' weight copies ask HBM
-// for 256-byte blocks: set_weight_fetch_256), which measure one choice each.
+// and the stream GEMMs' use of L2 (set_stream_l2, none by default): cuda_fused_prefetch (GEMM1
+// asks L2 for up to half of it of GEMM2's first weights after its own first copies, weight
+// copies evict-first), cuda_fused_prefetch_end (the same once GEMM1's CTAs have issued their
+// last copies), cuda_fused_prefetch8m (8 MB), cuda_fused_prefetch_keep (no evict-first),
+// cuda_fused_evict_first (evict-first alone) and cuda_fused_fetch256 (weight copies ask HBM for
+// 256-byte blocks), which measure one choice each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -101,10 +104,8 @@ struct backend_variant {
   // cuda_fused: programmatic dependent launches (unset: the policy's choice)
   std::optional<bool> dependent = std::nullopt;
   bool plan_in_gemms = true;  // cuda_fused at decode: the schedule built in the GEMMs (else the plan kernel)
-  // cuda_fused with the stream GEMMs: GEMM2 weight bytes GEMM1 asks L2 for (unset: the policy's)
-  // and 256-byte weight fetches.
-  std::optional<std::int64_t> down_prefetch_bytes = std::nullopt;
-  bool weight_fetch_256 = false;
+  // cuda_fused with the stream GEMMs: their use of L2 (unset: the policy's)
+  std::optional<mr::gpu::stream_l2_use> stream_l2 = std::nullopt;
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -119,10 +120,18 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_nopdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, false},
     {"cuda_fused_plankernel", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
      false},
-    {"cuda_fused_noprefetch", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
-     true, 0},
+    {"cuda_fused_prefetch", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, mr::gpu::stream_l2_use{.prefetch_bytes = -1, .evict_first = true}},
+    {"cuda_fused_prefetch_end", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, mr::gpu::stream_l2_use{.prefetch_bytes = -1, .prefetch_at_end = true, .evict_first = true}},
+    {"cuda_fused_prefetch8m", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, mr::gpu::stream_l2_use{.prefetch_bytes = 8 << 20, .evict_first = true}},
+    {"cuda_fused_prefetch_keep", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, mr::gpu::stream_l2_use{.prefetch_bytes = -1}},
+    {"cuda_fused_evict_first", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, mr::gpu::stream_l2_use{.evict_first = true}},
     {"cuda_fused_fetch256", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
-     true, std::nullopt, true},
+     true, mr::gpu::stream_l2_use{.fetch_256 = true}},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -606,8 +615,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_raster_band(variant->raster_band);
           if (variant->dependent) core.set_dependent_launch(*variant->dependent);
           core.set_plan_in_gemms(variant->plan_in_gemms);
-          if (variant->down_prefetch_bytes) core.set_down_prefetch_bytes(*variant->down_prefetch_bytes);
-          core.set_weight_fetch_256(variant->weight_fetch_256);
+          if (variant->stream_l2) core.set_stream_l2(*variant->stream_l2);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

@@ -55,8 +55,7 @@ struct launch_settings {
   int raster_band = 0;
   std::optional<bool> dependent_launch = std::nullopt;
   bool plan_in_gemms = true;
-  std::optional<std::int64_t> down_prefetch_bytes = std::nullopt;  // stream GEMMs (unset: the policy's)
-  bool weight_fetch_256 = false;
+  std::optional<mr::gpu::stream_l2_use> stream_l2 = std::nullopt;  // stream GEMMs (unset: the policy's)
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -77,8 +76,7 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
         core.set_raster_band(ls.raster_band);
         if (ls.dependent_launch) core.set_dependent_launch(*ls.dependent_launch);
         core.set_plan_in_gemms(ls.plan_in_gemms);
-        if (ls.down_prefetch_bytes) core.set_down_prefetch_bytes(*ls.down_prefetch_bytes);
-        core.set_weight_fetch_256(ls.weight_fetch_256);
+        if (ls.stream_l2) core.set_stream_l2(*ls.stream_l2);
       }
     });
     size_workspace(p, ws_misalign);  // the K splits, and so the size, follow the tuning
@@ -295,41 +293,46 @@ TEST_CASE("cuda_fused deterministic at decode: the same bits with the schedule i
     }
 }
 
-TEST_CASE("cuda_fused with the stream GEMMs: L2 prefetch of GEMM2's weights and 256-byte fetches change no bit") {
-  // GEMM1 asks L2 for GEMM2's first weights: none, the first K tiles of each warp's range
-  // (budgets below one first wave), whole items, or all of them; the weight copies may ask for
-  // 256-byte blocks. Only where bytes come from may change: deterministic outputs must keep
-  // their bits, and match the reference. {1, 8, 2, 520, 2048}: 34 GEMM2 items, a first wave of
-  // 34, 557 KB per K tile of every range, 8 K tiles per range: 64 KB asks for nothing, 1 MB
-  // for one tile, 4 MB for seven, 16 MB for whole items.
+TEST_CASE("cuda_fused with the stream GEMMs: L2 prefetch of GEMM2's weights and cache hints change no bit") {
+  // GEMM1 asks L2 for GEMM2's first weights, after its own first copies or after its last:
+  // none, the first K tiles of each warp's range (budgets below one first wave), whole items,
+  // or all of them; the weight copies may be evict-first and ask for 256-byte blocks. Only
+  // where bytes come from may change: deterministic outputs must keep their bits, and match
+  // the reference. {1, 8, 2, 520, 2048}: 34 GEMM2 items, a first wave of 34, 557 KB per K tile
+  // of every range, 8 K tiles per range: 64 KB asks for nothing, 1 MB for one tile, 4 MB for
+  // seven, 16 MB for whole items.
   const unsigned seed = mr::test::test_seed();
   CAPTURE(seed);
   std::mt19937 rng(seed);
   const std::pair<shape, options> cases[] = {
       {{1, 8, 2, 520, 2048}, {}},
-      {{1, 8, 8, odd_h, odd_i}, {}},                              // GEMM2's 2 K tiles over 4 warps
-      {{8, 64, 8, odd_h, odd_i}, {}},                             // 64 slots
-      {{9, 64, 8, odd_h, odd_i}, {}},                             // 72: the plan kernel's schedule
-      {{32, 8, 1, odd_h, odd_i}, {.ids = ids_kind::one_expert}},  // 4 tiles of one expert
+      {{1, 8, 8, odd_h, odd_i}, {}},                                // GEMM2's 2 K tiles over 4 warps
+      {{8, 64, 8, odd_h, odd_i}, {}},                               // 64 slots
+      {{9, 64, 8, odd_h, odd_i}, {}},                               // 72: the plan kernel's schedule
+      {{32, 8, 1, odd_h, odd_i}, {.ids = ids_kind::one_expert}},    // 4 tiles of one expert
       {{5, 16, 4, odd_h, odd_i}, {.ids = ids_kind::all_filtered}},  // no tile: nothing to ask for
   };
-  constexpr std::int64_t budgets[] = {64 << 10, 1 << 20, 4 << 20, 16 << 20, std::int64_t{1} << 40};
+  constexpr std::int64_t budgets[] = {-1, 64 << 10, 1 << 20, 4 << 20, 16 << 20, std::int64_t{1} << 40};
   for (const auto& [sh, opt] : cases)
     for (mr::dtype t : both_types) {
       const problem p(sh, t, opt, rng);
       CAPTURE(describe(sh, t, opt, tuning::stream, true));
-      on_device none(p, tuning::stream, true, 0, {.down_prefetch_bytes = 0});
+      on_device none(p, tuning::stream, true, 0, {.stream_l2 = mr::gpu::stream_l2_use{}});
       const host_tensor want = none.run_once(p);
       compare(p, want);
       for (std::int64_t bytes : budgets)
-        for (bool fetch_256 : {false, true}) {
+        for (bool at_end : {false, true}) {
+          const mr::gpu::stream_l2_use use{
+              .prefetch_bytes = bytes, .prefetch_at_end = at_end, .evict_first = !at_end, .fetch_256 = at_end};
           CAPTURE(bytes);
-          CAPTURE(fetch_256);
-          on_device g(p, tuning::stream, true, 0, {.down_prefetch_bytes = bytes, .weight_fetch_256 = fetch_256});
+          CAPTURE(at_end);
+          on_device g(p, tuning::stream, true, 0, {.stream_l2 = use});
           const host_tensor got = g.run_once(p);
           CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);
         }
-      on_device fast(p, tuning::stream, false, 0, {.weight_fetch_256 = true});  // atomic combine, default budget
+      // Atomic combine: every hint at once.
+      on_device fast(p, tuning::stream, false, 0,
+                     {.stream_l2 = mr::gpu::stream_l2_use{.prefetch_bytes = -1, .evict_first = true, .fetch_256 = true}});
       compare(p, fast.run_once(p));
     }
 }

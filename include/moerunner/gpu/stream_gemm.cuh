@@ -27,14 +27,24 @@ unsigned stream_gemm_grid(kernels::moe_gemm_params<T>& p, const tile_schedule& s
   return persistent_gemm_grid(p, schedule, kernels::moe_stream_gemm<T, Policy, Kind>::out_cols, per_sm, dev);
 }
 
-// What GEMM1 of a stream pair needs to ask L2 for up to `bytes` of GEMM2's first weights
-// (moe_stream_gemm::prefetch_next_weights): GEMM2's operand `g2` as it will be launched, and
-// its grid.
+// How the stream GEMMs use L2 (cuda_fused_policy::set_stream_l2), for measuring it.
+struct stream_l2_use {
+  std::int64_t prefetch_bytes = 0;  // GEMM2 weights GEMM1 asks L2 for (moe_stream_gemm::prefetch_next_weights);
+                                    // -1: half the device's L2
+  bool prefetch_at_end = false;     // asked for once a GEMM1 CTA has issued its last copies, not its first
+  bool evict_first = false;         // both GEMMs' weight copies marked evict-first in L2
+  bool fetch_256 = false;           // weight copies ask HBM for the 256-byte block around them
+  friend constexpr bool operator==(const stream_l2_use&, const stream_l2_use&) = default;
+};
+
+// What GEMM1 of a stream pair needs to ask L2 for GEMM2's first weights as `use` says: GEMM2's
+// operand `g2` as it will be launched, and its grid.
 template <class T, class Policy>
 typename kernels::moe_gemm_params<T>::next_gemm stream_next_gemm(kernels::moe_gemm_params<T> g2,
                                                                  const tile_schedule& schedule,
-                                                                 const device_facts& dev, std::int64_t bytes) {
+                                                                 const device_facts& dev, const stream_l2_use& use) {
   typename kernels::moe_gemm_params<T>::next_gemm nx;
+  const std::int64_t bytes = use.prefetch_bytes < 0 ? dev.l2_bytes / 2 : use.prefetch_bytes;
   if (bytes <= 0 || schedule.capacity == 0) return nx;
   nx.grid = static_cast<int>(stream_gemm_grid<T, Policy, kernels::moe_gemm_kind::down>(g2, schedule, dev));
   nx.b = g2.b;
@@ -43,6 +53,7 @@ typename kernels::moe_gemm_params<T>::next_gemm stream_next_gemm(kernels::moe_ge
   nx.k = g2.k;
   nx.n_tiles = g2.n_tiles;
   nx.bytes = bytes;
+  nx.at_end = use.prefetch_at_end;
   return nx;
 }
 

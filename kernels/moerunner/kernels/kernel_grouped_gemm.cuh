@@ -159,6 +159,7 @@ struct moe_gemm_params {
     int n = 0, k = 0, n_tiles = 0;
     int grid = 0;            // GEMM2's CTAs: its first `grid` items are its first wave
     std::int64_t bytes = 0;  // what may be asked for in all
+    bool at_end = false;     // asked for once a CTA's own copies are all issued (else after its first)
   } next;
   // Stream GEMMs: weight copies marked evict-first in L2 (so that streaming them leaves the
   // lines asked for through `next` in place), and fetched from HBM 256 bytes at a time (the

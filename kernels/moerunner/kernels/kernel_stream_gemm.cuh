@@ -277,8 +277,11 @@ struct moe_stream_gemm {
         cp_async_commit();
       }
       // After this GEMM's own first copies, so that they reach HBM first.
-      prefetch_next_weights(p, tiles);
+      if (!p.next.at_end) prefetch_next_weights(p, tiles);
     }
+    // Or in the CTA's tail, once each warp's last copy is issued.
+    const std::int64_t last_issue = total > stages - 1 ? total - (stages - 1) : 0;
+    if (!early_weights && p.next.at_end && total == 0) prefetch_next_weights(p, tiles);
     for (std::int64_t j = 0; j < items; ++j) {
       const item_ref r = item_at(p, tiles, blockIdx.x + j * gridDim.x);
       const int tile_rows = r.tile.row_end - r.tile.row_begin;  // 1..bm
@@ -297,6 +300,7 @@ struct moe_stream_gemm {
         __syncwarp();
         ld.issue(p, tiles, my_ring, g + stages - 1, n, total, kt_begin, lane);
         cp_async_commit();
+        if (!early_weights && p.next.at_end && g == last_issue) prefetch_next_weights(p, tiles);
         compute_stage(my_ring + static_cast<int>(g % stages) * stage_elems, lane, used_blocks, acc);
       }
 

@@ -120,14 +120,12 @@ class cuda_fused_policy {
   // kernel (see the pipeline above). On by default: measured 12% faster on Qwen3-30B-A3B at one
   // token, 1-4% at 8 tokens (bench/NOTES.md); off runs the plan kernel (benchmarks, tests).
   void set_plan_in_gemms(bool on) noexcept { plan_in_gemms_ = on; }
-  // The stream GEMMs' use of L2, for measuring it: how many bytes of GEMM2's first weights
-  // GEMM1 asks L2 for (unset: half the device's L2; 0: none, and the weight copies keep the
-  // default L2 policy), and whether weight copies ask HBM for 256-byte blocks.
-  void set_down_prefetch_bytes(std::int64_t bytes) {
-    MOE_EXPECT(bytes >= 0, "cuda_fused_policy::set_down_prefetch_bytes", "bytes must not be negative");
-    down_prefetch_bytes_ = bytes;
+  // The stream GEMMs' use of L2, for measuring it (gpu::stream_l2_use; default: none of it).
+  void set_stream_l2(const gpu::stream_l2_use& use) {
+    MOE_EXPECT(use.prefetch_bytes >= -1, "cuda_fused_policy::set_stream_l2",
+               "prefetch_bytes must be -1 (half the L2) or a byte count");
+    stream_l2_ = use;
   }
-  void set_weight_fetch_256(bool on) noexcept { weight_fetch_256_ = on; }
 
   // Alignment slack + routing plan + M-tile schedule + act [M*k, I], each piece 256-byte
   // aligned, and when deterministic and combining the rows GEMM2 writes for combine: [M*k, H]
@@ -406,11 +404,9 @@ class cuda_fused_policy {
       g2.out_scale = scale;
     }
     if constexpr (stream_gemm) {
-      // GEMM1 asks L2 for GEMM2's first weights; both GEMMs' weight copies then leave L2 first.
-      const std::int64_t prefetch = down_prefetch_bytes_.value_or(dev.l2_bytes / 2);
-      g1.next = gpu::stream_next_gemm<T, GemmPolicy>(g2, schedule, dev, prefetch);
-      g1.weights_evict_first = g2.weights_evict_first = prefetch > 0;
-      g1.weights_fetch_256 = g2.weights_fetch_256 = weight_fetch_256_;
+      g1.next = gpu::stream_next_gemm<T, GemmPolicy>(g2, schedule, dev, stream_l2_);
+      g1.weights_evict_first = g2.weights_evict_first = stream_l2_.evict_first;
+      g1.weights_fetch_256 = g2.weights_fetch_256 = stream_l2_.fetch_256;
     }
     if (cfg_.is_gated())
       launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent);
@@ -437,8 +433,7 @@ class cuda_fused_policy {
   int raster_band_ = 0;
   std::optional<bool> dependent_launch_;  // unset: by GEMM kind (see set_dependent_launch)
   bool plan_in_gemms_ = true;
-  std::optional<std::int64_t> down_prefetch_bytes_;  // unset: half the device's L2
-  bool weight_fetch_256_ = false;
+  gpu::stream_l2_use stream_l2_;
 };
 
 static_assert(explain_dispatch_runner_core<cuda_fused_policy>());
