@@ -16,12 +16,11 @@
 // cuda_fused_pdl / cuda_fused_nopdl (programmatic dependent launches on / off everywhere; by
 // default on with the stream GEMMs only) and cuda_fused_plankernel (the plan kernel at decode,
 // where by default the stream GEMMs build the schedule themselves: set_plan_in_gemms),
-// and the stream GEMMs' use of L2 (set_stream_l2, none by default): cuda_fused_prefetch (GEMM1
-// asks L2 for up to half of it of GEMM2's first weights after its own first copies, weight
-// copies evict-first), cuda_fused_prefetch_end (the same once GEMM1's CTAs have issued their
-// last copies), cuda_fused_prefetch8m (8 MB), cuda_fused_prefetch_keep (no evict-first),
-// cuda_fused_evict_first (evict-first alone) and cuda_fused_fetch256 (weight copies ask HBM for
-// 256-byte blocks), which measure one choice each.
+// and the stream GEMMs' use of L2 (set_stream_l2): cuda_fused_prefetch (GEMM1 asks L2 for up
+// to half of it of GEMM2's first weights after its own first copies), cuda_fused_prefetch_end
+// (the same once GEMM1's CTAs have issued their last copies), cuda_fused_l2plain (weight copies
+// neither evict-first nor 256-byte), cuda_fused_nofetch256 (never 256-byte) and
+// cuda_fused_fetch256 (always 256-byte), which measure one choice each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -121,17 +120,15 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_plankernel", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
      false},
     {"cuda_fused_prefetch", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
-     true, mr::gpu::stream_l2_use{.prefetch_bytes = -1, .evict_first = true}},
-    {"cuda_fused_prefetch_end", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
-     true, mr::gpu::stream_l2_use{.prefetch_bytes = -1, .prefetch_at_end = true, .evict_first = true}},
-    {"cuda_fused_prefetch8m", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
-     true, mr::gpu::stream_l2_use{.prefetch_bytes = 8 << 20, .evict_first = true}},
-    {"cuda_fused_prefetch_keep", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
      true, mr::gpu::stream_l2_use{.prefetch_bytes = -1}},
-    {"cuda_fused_evict_first", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
-     true, mr::gpu::stream_l2_use{.evict_first = true}},
+    {"cuda_fused_prefetch_end", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, mr::gpu::stream_l2_use{.prefetch_bytes = -1, .prefetch_at_end = true}},
+    {"cuda_fused_l2plain", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, mr::gpu::stream_l2_use{.evict_first = false, .fetch_256_min_k_tiles = 1 << 30}},
+    {"cuda_fused_nofetch256", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, mr::gpu::stream_l2_use{.fetch_256_min_k_tiles = 1 << 30}},
     {"cuda_fused_fetch256", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
-     true, mr::gpu::stream_l2_use{.fetch_256 = true}},
+     true, mr::gpu::stream_l2_use{.fetch_256_min_k_tiles = 0}},
 };
 
 const backend_variant* find_variant(std::string_view label) {

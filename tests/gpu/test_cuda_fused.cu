@@ -317,13 +317,16 @@ TEST_CASE("cuda_fused with the stream GEMMs: L2 prefetch of GEMM2's weights and 
     for (mr::dtype t : both_types) {
       const problem p(sh, t, opt, rng);
       CAPTURE(describe(sh, t, opt, tuning::stream, true));
-      on_device none(p, tuning::stream, true, 0, {.stream_l2 = mr::gpu::stream_l2_use{}});
+      on_device none(p, tuning::stream, true, 0,
+                     {.stream_l2 = mr::gpu::stream_l2_use{.evict_first = false, .fetch_256_min_k_tiles = 1 << 30}});
       const host_tensor want = none.run_once(p);
       compare(p, want);
       for (std::int64_t bytes : budgets)
         for (bool at_end : {false, true}) {
-          const mr::gpu::stream_l2_use use{
-              .prefetch_bytes = bytes, .prefetch_at_end = at_end, .evict_first = !at_end, .fetch_256 = at_end};
+          const mr::gpu::stream_l2_use use{.prefetch_bytes = bytes,
+                                           .prefetch_at_end = at_end,
+                                           .evict_first = !at_end,
+                                           .fetch_256_min_k_tiles = at_end ? 0 : 1 << 30};
           CAPTURE(bytes);
           CAPTURE(at_end);
           on_device g(p, tuning::stream, true, 0, {.stream_l2 = use});
@@ -332,7 +335,7 @@ TEST_CASE("cuda_fused with the stream GEMMs: L2 prefetch of GEMM2's weights and 
         }
       // Atomic combine: every hint at once.
       on_device fast(p, tuning::stream, false, 0,
-                     {.stream_l2 = mr::gpu::stream_l2_use{.prefetch_bytes = -1, .evict_first = true, .fetch_256 = true}});
+                     {.stream_l2 = mr::gpu::stream_l2_use{.prefetch_bytes = -1, .fetch_256_min_k_tiles = 0}});
       compare(p, fast.run_once(p));
     }
 }

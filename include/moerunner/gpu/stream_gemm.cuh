@@ -27,15 +27,28 @@ unsigned stream_gemm_grid(kernels::moe_gemm_params<T>& p, const tile_schedule& s
   return persistent_gemm_grid(p, schedule, kernels::moe_stream_gemm<T, Policy, Kind>::out_cols, per_sm, dev);
 }
 
-// How the stream GEMMs use L2 (cuda_fused_policy::set_stream_l2), for measuring it.
+// How the stream GEMMs use L2 (cuda_fused_policy::set_stream_l2). The defaults are what
+// measured fastest on an H200 (bench/NOTES.md, round 9): weight copies evict-first (Qwen3-30B-A3B
+// at one token 8% faster: the act rows and the output GEMM2 adds into stay in L2), 256-byte
+// fetches where a warp walks 16 or more K tiles of its rows (DeepSeek-V3 and Mixtral-8x7B at 8
+// and 64 tokens 3-5% faster; with fewer, as on Qwen3-30B-A3B, 3% slower), and no prefetch of
+// GEMM2's weights (it moved no cell forward: GEMM1 slowed by what GEMM2 gained).
 struct stream_l2_use {
   std::int64_t prefetch_bytes = 0;  // GEMM2 weights GEMM1 asks L2 for (moe_stream_gemm::prefetch_next_weights);
                                     // -1: half the device's L2
   bool prefetch_at_end = false;     // asked for once a GEMM1 CTA has issued its last copies, not its first
-  bool evict_first = false;         // both GEMMs' weight copies marked evict-first in L2
-  bool fetch_256 = false;           // weight copies ask HBM for the 256-byte block around them
+  bool evict_first = true;          // both GEMMs' weight copies marked evict-first in L2
+  int fetch_256_min_k_tiles = 16;   // a GEMM's weight copies ask HBM for the 256-byte block around them
+                                    // where each warp walks at least this many K tiles (0: always)
   friend constexpr bool operator==(const stream_l2_use&, const stream_l2_use&) = default;
 };
+
+// Whether a stream GEMM of reduction length k fetches its weights 256 bytes at a time.
+template <class Policy>
+constexpr bool stream_fetch_256(const stream_l2_use& use, int k) {
+  constexpr int warps = Policy::tuning.warps, bk = 64;
+  return (k + bk - 1) / bk / warps >= use.fetch_256_min_k_tiles;
+}
 
 // What GEMM1 of a stream pair needs to ask L2 for GEMM2's first weights as `use` says: GEMM2's
 // operand `g2` as it will be launched, and its grid.

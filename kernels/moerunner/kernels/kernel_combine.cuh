@@ -12,6 +12,9 @@
 
 namespace moerunner::kernels {
 
+// Slots of a token whose rows combine_rows_kernel loads together.
+inline constexpr int combine_batch = 8;
+
 // The row `row` as f32: the sum of its `splits` parts (split_stride elements apart) in order.
 template <int VEC, class TIn>
 __device__ __forceinline__ void load_row_parts(const TIn* rows, std::int64_t row, std::int64_t hidden, std::int64_t c,
@@ -45,18 +48,32 @@ __global__ void combine_rows_kernel(const TIn* __restrict__ rows, TOut* __restri
       float acc[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
-      for (int j = 0; j < top_k; ++j) {
-        const std::int64_t row = slot_to_row[first_slot + j];
-        if (row < 0) continue;
-        float v[VEC];
-        load_row_parts<VEC>(rows, row, hidden, c, splits, split_stride, v);
-        if (weights != nullptr) {
-          const float w = weights[first_slot + j];
+      // Slots in batches: a batch's row indices, then all its rows, are loaded before any sum,
+      // so a token pays two memory round trips per batch instead of two per slot (at one token
+      // the kernel is nothing but those round trips). The sums keep slot order.
+      for (int j0 = 0; j0 < top_k; j0 += combine_batch) {
+        std::int64_t row[combine_batch];
+        float w[combine_batch];
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) acc[i] = fmaf(w, v[i], acc[i]);
-        } else {
+        for (int b = 0; b < combine_batch; ++b) {
+          const bool in = j0 + b < top_k;
+          row[b] = in ? slot_to_row[first_slot + j0 + b] : -1;
+          w[b] = in && weights != nullptr ? weights[first_slot + j0 + b] : 1.0f;
+        }
+        float v[combine_batch][VEC];
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+        for (int b = 0; b < combine_batch; ++b)
+          if (row[b] >= 0) load_row_parts<VEC>(rows, row[b], hidden, c, splits, split_stride, v[b]);
+#pragma unroll
+        for (int b = 0; b < combine_batch; ++b) {
+          if (row[b] < 0) continue;
+          if (weights != nullptr) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[i] = fmaf(w[b], v[b][i], acc[i]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[i] += v[b][i];
+          }
         }
       }
 #pragma unroll

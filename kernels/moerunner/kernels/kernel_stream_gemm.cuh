@@ -25,8 +25,8 @@
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
-#include "moerunner/kernels/l2_hints.cuh"
 #include "moerunner/kernels/kernel_local_plan.cuh"
+#include "moerunner/kernels/l2_hints.cuh"
 #include "moerunner/kernels/pdl.cuh"
 
 namespace moerunner::kernels {
@@ -154,10 +154,11 @@ struct moe_stream_gemm {
   // GEMM1 asks L2 for the weights GEMM2 (the same tuning, over the same schedule) reads first,
   // in GEMM2's item order, up to p.next.bytes in all: whole items when GEMM2's first wave fits
   // (then further items while the bytes last), else the first K tiles of every warp's range of
-  // each first-wave item, the tiles GEMM2's rings load first. A few tokens leave HBM idle
-  // through GEMM1's tail, GEMM2's launch and its ramp; this fills that time with bytes GEMM2
-  // would read anyway, and GEMM2 starts on L2 hits. The prefetches hold no registers or shared
-  // memory, and change no result.
+  // each first-wave item, the tiles GEMM2's rings load first. Meant to fill the HBM's idle
+  // time around the hand-off between the GEMMs with bytes GEMM2 reads anyway; on an H200 it
+  // measured no faster (GEMM1 slows by what GEMM2 gains; bench/NOTES.md, round 9), so it is off
+  // unless asked for (gpu::stream_l2_use). The prefetches hold no registers or shared memory,
+  // and change no result.
   __device__ __forceinline__ static void prefetch_next_weights(const moe_gemm_params<T>& p, int tiles) {
     const auto& nx = p.next;
     const std::int64_t work = static_cast<std::int64_t>(tiles) * nx.n_tiles;

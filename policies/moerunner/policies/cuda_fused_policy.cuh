@@ -120,10 +120,13 @@ class cuda_fused_policy {
   // kernel (see the pipeline above). On by default: measured 12% faster on Qwen3-30B-A3B at one
   // token, 1-4% at 8 tokens (bench/NOTES.md); off runs the plan kernel (benchmarks, tests).
   void set_plan_in_gemms(bool on) noexcept { plan_in_gemms_ = on; }
-  // The stream GEMMs' use of L2, for measuring it (gpu::stream_l2_use; default: none of it).
+  // The stream GEMMs' use of L2 (gpu::stream_l2_use; the defaults measured fastest), for
+  // measuring it.
   void set_stream_l2(const gpu::stream_l2_use& use) {
     MOE_EXPECT(use.prefetch_bytes >= -1, "cuda_fused_policy::set_stream_l2",
                "prefetch_bytes must be -1 (half the L2) or a byte count");
+    MOE_EXPECT(use.fetch_256_min_k_tiles >= 0, "cuda_fused_policy::set_stream_l2",
+               "fetch_256_min_k_tiles must not be negative");
     stream_l2_ = use;
   }
 
@@ -406,7 +409,8 @@ class cuda_fused_policy {
     if constexpr (stream_gemm) {
       g1.next = gpu::stream_next_gemm<T, GemmPolicy>(g2, schedule, dev, stream_l2_);
       g1.weights_evict_first = g2.weights_evict_first = stream_l2_.evict_first;
-      g1.weights_fetch_256 = g2.weights_fetch_256 = stream_l2_.fetch_256;
+      g1.weights_fetch_256 = gpu::stream_fetch_256<GemmPolicy>(stream_l2_, g1.k);
+      g2.weights_fetch_256 = gpu::stream_fetch_256<GemmPolicy>(stream_l2_, g2.k);
     }
     if (cfg_.is_gated())
       launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent);
