@@ -49,8 +49,9 @@ __global__ void combine_rows_kernel(const TIn* __restrict__ rows, TOut* __restri
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
       // Slots in batches: a batch's row indices, then all its rows, are loaded before any sum,
-      // so a token pays two memory round trips per batch instead of two per slot (at one token
-      // the kernel is nothing but those round trips). The sums keep slot order.
+      // so a token pays two memory round trips per batch instead of two per slot. The sums keep
+      // slot order. (At one token on an H200 this measured no faster: the kernel's launch and
+      // completion outweigh its loads; bench/NOTES.md, round 9.)
       for (int j0 = 0; j0 < top_k; j0 += combine_batch) {
         std::int64_t row[combine_batch];
         float w[combine_batch];

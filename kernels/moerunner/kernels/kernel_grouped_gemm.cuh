@@ -161,9 +161,9 @@ struct moe_gemm_params {
     std::int64_t bytes = 0;  // what may be asked for in all
     bool at_end = false;     // asked for once a CTA's own copies are all issued (else after its first)
   } next;
-  // Stream GEMMs: weight copies marked evict-first in L2 (so that streaming them leaves the
-  // lines asked for through `next` in place), and fetched from HBM 256 bytes at a time (the
-  // warp's next K tile of each row comes with its current one).
+  // Stream GEMMs: weight copies marked evict-first in L2 (streamed once, they should not push
+  // out the act rows, the output or lines asked for through `next`), and fetched from HBM 256
+  // bytes at a time (the warp's next K tile of each row comes with its current one).
   bool weights_evict_first = false;
   bool weights_fetch_256 = false;
 };

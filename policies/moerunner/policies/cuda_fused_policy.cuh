@@ -24,7 +24,9 @@
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
 // sm90 tuning, sm_80 code sm80. Where active experts average at most 4 rows (decode), sm_90a
 // code runs the stream GEMMs instead: mma.sync with the weight rows as M, fed through
-// warp-private cp.async rings, a CTA's warps splitting K. Up to 64 slots (M * k) no plan
+// warp-private cp.async rings, a CTA's warps splitting K; their weight copies are evict-first
+// in L2 and, where a warp walks 16 or more K tiles, fetch 256 bytes at a time
+// (set_stream_l2, gpu::stream_l2_use). Up to 64 slots (M * k) no plan
 // kernel runs then (unless set_plan_in_gemms(false)): every CTA of both GEMMs orders the rows
 // and cuts the tiles itself from topk_ids in shared memory, exactly as the plan would
 // (kernel_local_plan.cuh), and GEMM1's first CTA sets the error flag and, for the deterministic
