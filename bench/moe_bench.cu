@@ -20,9 +20,7 @@
 // to half of it of GEMM2's first weights after its own first copies), cuda_fused_prefetch_end
 // (the same once GEMM1's CTAs have issued their last copies), cuda_fused_l2plain (weight copies
 // neither evict-first nor 256-byte), cuda_fused_nofetch256 (never 256-byte) and
-// cuda_fused_fetch256 (always 256-byte), and cuda_fused_down2w / cuda_fused_down4w (the stream
-// GEMM2 on two or four warps per CTA, where by default K decides: set_stream_down_warps), which
-// measure one choice each.
+// cuda_fused_fetch256 (always 256-byte), which measure one choice each.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -107,7 +105,6 @@ struct backend_variant {
   bool plan_in_gemms = true;  // cuda_fused at decode: the schedule built in the GEMMs (else the plan kernel)
   // cuda_fused with the stream GEMMs: their use of L2 (unset: the policy's)
   std::optional<mr::gpu::stream_l2_use> stream_l2 = std::nullopt;
-  int stream_down_warps = 0;  // cuda_fused with the stream GEMMs: GEMM2's warps per CTA (0: by K)
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -132,10 +129,6 @@ constexpr backend_variant backend_variants[] = {
      true, mr::gpu::stream_l2_use{.fetch_256_min_k_tiles = 1 << 30}},
     {"cuda_fused_fetch256", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
      true, mr::gpu::stream_l2_use{.fetch_256_min_k_tiles = 0}},
-    {"cuda_fused_down2w", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
-     true, std::nullopt, 2},
-    {"cuda_fused_down4w", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
-     true, std::nullopt, 4},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -620,7 +613,6 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           if (variant->dependent) core.set_dependent_launch(*variant->dependent);
           core.set_plan_in_gemms(variant->plan_in_gemms);
           if (variant->stream_l2) core.set_stream_l2(*variant->stream_l2);
-          core.set_stream_down_warps(variant->stream_down_warps);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

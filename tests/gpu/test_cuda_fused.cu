@@ -56,7 +56,6 @@ struct launch_settings {
   std::optional<bool> dependent_launch = std::nullopt;
   bool plan_in_gemms = true;
   std::optional<mr::gpu::stream_l2_use> stream_l2 = std::nullopt;  // stream GEMMs (unset: the policy's)
-  int stream_down_warps = 0;                                         // stream GEMM2 (0: by K)
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -78,7 +77,6 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
         if (ls.dependent_launch) core.set_dependent_launch(*ls.dependent_launch);
         core.set_plan_in_gemms(ls.plan_in_gemms);
         if (ls.stream_l2) core.set_stream_l2(*ls.stream_l2);
-        core.set_stream_down_warps(ls.stream_down_warps);
       }
     });
     size_workspace(p, ws_misalign);  // the K splits, and so the size, follow the tuning
@@ -340,22 +338,6 @@ TEST_CASE("cuda_fused with the stream GEMMs: L2 prefetch of GEMM2's weights and 
                      {.stream_l2 = mr::gpu::stream_l2_use{.prefetch_bytes = -1, .fetch_256_min_k_tiles = 0}});
       compare(p, fast.run_once(p));
     }
-}
-
-TEST_CASE("cuda_fused matches the reference: the stream GEMM2 on two or four warps per CTA") {
-  // By default K decides (two warps below 16 K tiles: odd_i = 72 takes two, 2048 four); both
-  // forced either way, with K ranges of 0-1 tiles (72 over four warps) and long ones.
-  for (int warps : {2, 4}) {
-    CAPTURE(warps);
-    const launch_settings ls{.stream_down_warps = warps};
-    for (mr::dtype t : both_types) {
-      check_case({1, 8, 8, odd_h, odd_i}, t, {}, ls);
-      check_case({8, 64, 8, odd_h, odd_i}, t, {}, ls);                             // 64 slots
-      check_case({9, 64, 8, odd_h, odd_i}, t, {}, ls);                             // the plan kernel
-      check_case({1, 8, 2, 520, 2048}, t, {}, ls);
-      check_case({32, 8, 1, odd_h, 1000}, t, {.ids = ids_kind::one_expert}, ls);  // 16 K tiles, 4 M tiles
-    }
-  }
 }
 
 TEST_CASE("cuda_fused leaves out expert ids outside [-1, E) as it does -1") {

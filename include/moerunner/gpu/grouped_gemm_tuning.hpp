@@ -220,19 +220,6 @@ struct stream_gemm_policy {
       .block_m = 8, .block_n = 32, .warps = 4, .stages = 3, .min_arch = 80, .raster_band = 8};
 };
 static_assert(check_stream_gemm_tuning(stream_gemm_policy::tuning));
-// GEMM2 where K is short (Qwen3-30B-A3B's I = 768 is 12 K tiles, 3 per warp of four): two warps
-// on half of K each, so that each walks twice as many tiles between epilogues; 30 KB per CTA,
-// six CTAs and the same 96 KB of weights in flight per SM.
-struct stream_gemm_two_warp_policy {
-  static constexpr stream_gemm_tuning tuning{
-      .block_m = 8, .block_n = 32, .warps = 2, .stages = 3, .min_arch = 80, .raster_band = 8};
-};
-static_assert(check_stream_gemm_tuning(stream_gemm_two_warp_policy::tuning));
-static_assert(stream_gemm_two_warp_policy::tuning.block_m == stream_gemm_policy::tuning.block_m,
-              "both GEMMs run over one schedule");
-// Whether the stream GEMM2 of reduction length k (= I) runs on two warps: where four would walk
-// fewer than 4 K tiles each.
-constexpr bool stream_down_two_warps(int k) { return (k + 63) / 64 < 4 * stream_gemm_policy::tuning.warps; }
 // The smallest M tile of any tuning: workspaces size the tile schedule for it.
 inline constexpr int moe_gemm_min_block_m = stream_gemm_policy::tuning.block_m;
 

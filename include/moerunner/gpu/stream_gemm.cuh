@@ -52,7 +52,7 @@ constexpr bool stream_fetch_256(const stream_l2_use& use, int k) {
 }
 
 // What GEMM1 of a stream pair needs to ask L2 for GEMM2's first weights as `use` says: GEMM2's
-// operand `g2` as it will be launched, and its grid and warps (GEMM2's tuning `Policy`).
+// operand `g2` as it will be launched, and its grid.
 template <class T, class Policy>
 typename kernels::moe_gemm_params<T>::next_gemm stream_next_gemm(kernels::moe_gemm_params<T> g2,
                                                                  const tile_schedule& schedule,
@@ -66,7 +66,6 @@ typename kernels::moe_gemm_params<T>::next_gemm stream_next_gemm(kernels::moe_ge
   nx.n = g2.n;
   nx.k = g2.k;
   nx.n_tiles = g2.n_tiles;
-  nx.warps = Policy::tuning.warps;
   nx.bytes = bytes;
   nx.at_end = use.prefetch_at_end;
   return nx;

@@ -157,7 +157,6 @@ struct moe_gemm_params {
     const T* b = nullptr;  // GEMM2's weights, [E, b_rows_per_expert, k]
     std::int64_t b_rows_per_expert = 0;
     int n = 0, k = 0, n_tiles = 0;
-    int warps = 0;           // GEMM2's warps per CTA, each on its own K range
     int grid = 0;            // GEMM2's CTAs: its first `grid` items are its first wave
     std::int64_t bytes = 0;  // what may be asked for in all
     bool at_end = false;     // asked for once a CTA's own copies are all issued (else after its first)

@@ -151,7 +151,7 @@ struct moe_stream_gemm {
     return {tile_at(p, it.m_tile), it.n_tile * out_cols};
   }
 
-  // GEMM1 asks L2 for the weights GEMM2 (over the same schedule) reads first,
+  // GEMM1 asks L2 for the weights GEMM2 (the same tuning, over the same schedule) reads first,
   // in GEMM2's item order, up to p.next.bytes in all: whole items when GEMM2's first wave fits
   // (then further items while the bytes last), else the first K tiles of every warp's range of
   // each first-wave item, the tiles GEMM2's rings load first. Meant to fill the HBM's idle
@@ -162,8 +162,7 @@ struct moe_stream_gemm {
   __device__ __forceinline__ static void prefetch_next_weights(const moe_gemm_params<T>& p, int tiles) {
     const auto& nx = p.next;
     const std::int64_t work = static_cast<std::int64_t>(tiles) * nx.n_tiles;
-    if (nx.b == nullptr || work == 0 || nx.grid <= 0 || nx.warps <= 0) return;
-    const int warps = nx.warps;  // GEMM2's, which may differ from this GEMM's
+    if (nx.b == nullptr || work == 0 || nx.grid <= 0) return;
     constexpr int next_cols = bn;  // GEMM2 is never gated
     constexpr std::int64_t tile_row_bytes = bk * sizeof(T);
     constexpr std::int64_t prefetch_chunk = 64 * 1024;  // bytes of one bulk prefetch

@@ -24,8 +24,7 @@
 // the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
 // sm90 tuning, sm_80 code sm80. Where active experts average at most 4 rows (decode), sm_90a
 // code runs the stream GEMMs instead: mma.sync with the weight rows as M, fed through
-// warp-private cp.async rings, a CTA's warps splitting K (GEMM2 on two warps per CTA where K is
-// under 16 tiles of 64, so that each walks more than 4); their weight copies are evict-first
+// warp-private cp.async rings, a CTA's warps splitting K; their weight copies are evict-first
 // in L2 and, where a warp walks 16 or more K tiles, fetch 256 bytes at a time
 // (set_stream_l2, gpu::stream_l2_use). Up to 64 slots (M * k) no plan
 // kernel runs then (unless set_plan_in_gemms(false)): every CTA of both GEMMs orders the rows
@@ -123,13 +122,6 @@ class cuda_fused_policy {
   // kernel (see the pipeline above). On by default: measured 12% faster on Qwen3-30B-A3B at one
   // token, 1-4% at 8 tokens (bench/NOTES.md); off runs the plan kernel (benchmarks, tests).
   void set_plan_in_gemms(bool on) noexcept { plan_in_gemms_ = on; }
-  // The stream GEMM2's warps per CTA, for measuring it: 0 (by K, gpu::stream_down_two_warps),
-  // 2 or 4.
-  void set_stream_down_warps(int warps) {
-    MOE_EXPECT(warps == 0 || warps == 2 || warps == 4, "cuda_fused_policy::set_stream_down_warps",
-               "warps must be 0 (by K), 2 or 4");
-    stream_down_warps_ = warps;
-  }
   // The stream GEMMs' use of L2 (gpu::stream_l2_use; the defaults measured fastest), for
   // measuring it.
   void set_stream_l2(const gpu::stream_l2_use& use) {
@@ -416,17 +408,11 @@ class cuda_fused_policy {
       g2.out_weights = row_weights;
       g2.out_scale = scale;
     }
-    // The stream GEMM2 runs on two warps per CTA where K is short (gpu::stream_down_two_warps).
-    const bool down_two_warps =
-        stream_gemm && (stream_down_warps_ == 2 || (stream_down_warps_ == 0 && gpu::stream_down_two_warps(inter)));
     if constexpr (stream_gemm) {
-      using two_warps = gpu::stream_gemm_two_warp_policy;
-      g1.next = down_two_warps ? gpu::stream_next_gemm<T, two_warps>(g2, schedule, dev, stream_l2_)
-                               : gpu::stream_next_gemm<T, GemmPolicy>(g2, schedule, dev, stream_l2_);
+      g1.next = gpu::stream_next_gemm<T, GemmPolicy>(g2, schedule, dev, stream_l2_);
       g1.weights_evict_first = g2.weights_evict_first = stream_l2_.evict_first;
       g1.weights_fetch_256 = gpu::stream_fetch_256<GemmPolicy>(stream_l2_, g1.k);
-      g2.weights_fetch_256 = down_two_warps ? gpu::stream_fetch_256<two_warps>(stream_l2_, g2.k)
-                                            : gpu::stream_fetch_256<GemmPolicy>(stream_l2_, g2.k);
+      g2.weights_fetch_256 = gpu::stream_fetch_256<GemmPolicy>(stream_l2_, g2.k);
     }
     if (cfg_.is_gated())
       launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent);
@@ -437,17 +423,8 @@ class cuda_fused_policy {
     // The stream GEMM2 loads its first weights while GEMM1 drains (kernel_stream_gemm.cuh), so
     // it is always GEMM1's programmatic dependent. After the inplace memset it is a plain
     // launch whatever was asked: a programmatic launch overlaps kernels, not a memset.
-    const bool g2_dependent = (dependent || stream_gemm) && !memset_between;
-    if constexpr (stream_gemm) {
-      if (down_two_warps) {
-        launch_gemm<T, gpu::stream_gemm_two_warp_policy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream,
-                                                                                       g2_dependent);
-      } else {
-        launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream, g2_dependent);
-      }
-    } else {
-      launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream, g2_dependent);
-    }
+    launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream,
+                                                             (dependent || stream_gemm) && !memset_between);
 
     // Deterministic: combine sums the rows, launched as GEMM2's programmatic dependent when the
     // GEMMs are launched so (by default with the stream GEMMs).
@@ -463,7 +440,6 @@ class cuda_fused_policy {
   std::optional<bool> dependent_launch_;  // unset: by GEMM kind (see set_dependent_launch)
   bool plan_in_gemms_ = true;
   gpu::stream_l2_use stream_l2_;
-  int stream_down_warps_ = 0;  // 0: by K
 };
 
 static_assert(explain_dispatch_runner_core<cuda_fused_policy>());
