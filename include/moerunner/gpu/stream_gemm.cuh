@@ -50,6 +50,10 @@ constexpr bool stream_fetch_256(const stream_l2_use& use, int k) {
   constexpr int warps = Policy::tuning.warps, bk = 64;
   return (k + bk - 1) / bk / warps >= use.fetch_256_min_k_tiles;
 }
+// By default: Mixtral-8x7B's GEMM1 (K = 4096, 16 tiles per warp) and DeepSeek-V3's (7168) fetch
+// 256 bytes; Qwen3-30B-A3B's (2048) and every GEMM2 of K = I <= 2048 do not.
+static_assert(stream_fetch_256<stream_gemm_policy>(stream_l2_use{}, 4096) &&
+              !stream_fetch_256<stream_gemm_policy>(stream_l2_use{}, 2048));
 
 // What GEMM1 of a stream pair needs to ask L2 for GEMM2's first weights as `use` says: GEMM2's
 // operand `g2` as it will be launched, and its grid.
