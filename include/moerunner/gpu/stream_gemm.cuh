@@ -30,10 +30,9 @@ unsigned stream_gemm_grid(kernels::moe_gemm_params<T>& p, const tile_schedule& s
 // How the stream GEMMs use L2 (cuda_fused_policy::set_stream_l2). The defaults are what
 // measured fastest on an H200 (bench/NOTES.md, round 9): weight copies evict-first (Qwen3-30B-A3B
 // at one token 8% faster; likely because the act rows and the output GEMM2 adds into keep their
-// L2 lines), 256-byte
-// fetches where a warp walks 16 or more K tiles of its rows (DeepSeek-V3 and Mixtral-8x7B at 8
-// and 64 tokens 3-5% faster; with fewer, as on Qwen3-30B-A3B, 3% slower), and no prefetch of
-// GEMM2's weights (it moved no cell forward: GEMM1 slowed by what GEMM2 gained).
+// L2 lines), 256-byte fetches where a warp walks 16 or more K tiles of its rows (DeepSeek-V3 and
+// Mixtral-8x7B at 8 and 64 tokens 3-5% faster; with fewer, as on Qwen3-30B-A3B, 3% slower), and
+// no prefetch of GEMM2's weights (it moved no cell forward: GEMM1 slowed by what GEMM2 gained).
 struct stream_l2_use {
   std::int64_t prefetch_bytes = 0;  // GEMM2 weights GEMM1 asks L2 for (moe_stream_gemm::prefetch_next_weights);
                                     // -1: half the device's L2
