@@ -2,20 +2,22 @@
 # One command for a GPU machine that has the CUDA toolkit (nvcc), Python with meson and ninja,
 # and PyTorch, but no internet: builds with the header dependencies carried in .deps/ (made by
 # scripts/prepare_deps.sh), runs the GPU and CPU test suites, compute-sanitizer memcheck and
-# racecheck over the GPU test executables, the benchmark and the PyTorch comparison, and leaves
-# every log and result under one output folder, with a summary printed last.
+# racecheck over the GPU test executables, the benchmark, the PyTorch comparison and the
+# comparison with SGLang's Triton fused MoE (where a copy of it is at hand), draws the fraction of
+# the floor per cell, and leaves every log and result under one output folder, with a summary
+# printed last.
 # See CONTRIBUTING.md, "Running on a GPU machine".
 #
-#   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,profile]
+#   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,peer,plot,profile]
 #                         [--archs 90a] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
 #                         [--sanitize-seconds N]
 #                         [--profile-cells "Shape:M,..."] [--profile-backends "a,b"] [--profile-source]
-#                         [--baseline DIR] [--pack]
+#                         [--baseline DIR] [--peer DIR] [--pack]
 #
 #   --out DIR          where logs and results go (default: $OUT if set, else build-device/run)
 #   --results FILE     benchmark JSON lines (default: DIR/h200.jsonl)
-#   --steps LIST       any of build,test,sanitize,bench,torch,profile (default: all but profile; later
-#                      steps reuse the build)
+#   --steps LIST       any of build,test,sanitize,bench,torch,peer,plot,profile (default: all but
+#                      profile; later steps reuse the build)
 #   --archs LIST       gpu_archs for Meson (default: 90a; e.g. 80,90a)
 #   --jobs N           parallel compile jobs (default: all cores)
 #   --budget SECONDS   wall-clock budget for the whole run (default 570); each step gets what is left
@@ -36,7 +38,10 @@
 #                      (default cuda_fused); the stall sampling takes the first
 #   --profile-source   also sample warp stalls per SASS instruction over each cell's first GEMM
 #                      (ncu SourceCounters), into logs/profile-*-sass.csv.gz
-#   --pack             leave only summary.txt, the results and logs.tar.gz in DIR
+#   --peer DIR         folder holding SGLang's Triton fused MoE as a module (peer_fused_moe.py and
+#                      its configs/; default .peers/sglang_triton_moe, git-ignored): the peer step
+#                      runs bench/sglang_triton.py on it, rows sglang_triton and sglang_triton_nearest
+#   --pack             leave only summary.txt, the results, the plot and logs.tar.gz in DIR
 #
 # Exit status: 0 when every step that ran passed.
 set -uo pipefail
@@ -47,7 +52,8 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out_dir=${OUT:-$root/build-device/run}
 results=""
-steps="build,test,sanitize,bench,torch"
+steps="build,test,sanitize,bench,torch,peer,plot"
+peer_dir=""
 archs="90a"
 jobs=$(nproc)
 budget=570
@@ -74,6 +80,7 @@ while [[ $# -gt 0 ]]; do
     --profile-cells) profile_cells=$2; shift 2 ;;
     --profile-source) profile_source=1; shift ;;
     --profile-backends) profile_backends=$2; shift 2 ;;
+    --peer) peer_dir=$2; shift 2 ;;
     --pack) pack=1; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "device_run: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -86,13 +93,14 @@ results=${results:-$out_dir/h200.jsonl}
 logs=$out_dir/logs
 build=$root/build-device
 deps=$root/.deps
+peer_dir=${peer_dir:-$root/.peers/sglang_triton_moe}
 start=$(date +%s)
 deadline=$((start + budget))
 status_file=$logs/steps.tsv
 : > "$status_file"
 overall=0
 
-all_steps=(build test sanitize bench torch profile)
+all_steps=(build test sanitize bench torch peer plot profile)
 IFS=, read -r -a asked <<< "$steps"
 for a in "${asked[@]}"; do
   [[ " ${all_steps[*]} " == *" $a "* ]] || { echo "device_run: unknown step '$a' (steps: ${all_steps[*]})" >&2; exit 2; }
@@ -101,7 +109,7 @@ has_step() { [[ ",$steps," == *",$1,"* ]]; }
 # reserve_after STEP: seconds the requested steps after STEP need at least (in the order of
 # all_steps), which a step leaves them; 150 at most.
 reserve_after() {
-  local -A need=([test]=40 [sanitize]=60 [bench]=30 [torch]=15 [profile]=30)
+  local -A need=([test]=40 [sanitize]=60 [bench]=30 [torch]=15 [peer]=30 [plot]=5 [profile]=30)
   local after=0 sum=0 s
   for s in "${all_steps[@]}"; do
     (( after )) && has_step "$s" && sum=$((sum + ${need[$s]:-0}))
@@ -340,6 +348,43 @@ if has_step torch; then
   note "torch: $(tail -n1 "$status_file" | cut -f2)"
 fi
 
+if has_step peer; then
+  t=$(step_timeout 300 "$(reserve_after peer)")
+  if out_of_time peer "$t"; then
+    :
+  elif [[ ! -s "$results" ]]; then
+    record peer skipped "no benchmark results to append to"
+  elif [[ ! -f "$peer_dir/peer_fused_moe.py" ]]; then
+    record peer skipped "no peer at $peer_dir (--peer DIR)"
+  else
+    note "peer: bench/sglang_triton.py on $peer_dir (up to ${t}s)"
+    peer_filters=$(grep -oE -- '--(shapes|tokens) [^ ]+' <<< "$bench_args" | tr '\n' ' ')
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 timeout "$t" python3 "$root/bench/sglang_triton.py" --jsonl "$results" --peer "$peer_dir" \
+      $peer_filters > "$logs/peer.log" 2>&1
+    rc=$?
+    if [[ $rc -eq 0 ]]; then record peer ok "$(grep -c '"sglang_triton' "$results") cells"
+    elif [[ $rc -eq 124 ]]; then record peer timeout "partial results appended"
+    else record peer failed "exit $rc, see logs/peer.log"; fi
+  fi
+  note "peer: $(tail -n1 "$status_file" | cut -f2)"
+fi
+
+# ---------------------------------------------------------------- plot
+if has_step plot; then
+  if [[ ! -s "$results" ]]; then
+    record plot skipped "no benchmark results"
+  else
+    stem=${results%.jsonl}
+    timeout 60 python3 "$root/bench/plot_floor.py" "$results" --png "$stem-floor.png" --table "$stem-table.md" \
+      > "$logs/plot.log" 2>&1
+    rc=$?
+    if [[ $rc -eq 0 && -s "$stem-floor.png" ]]; then record plot ok "$(basename "$stem-floor.png"), $(basename "$stem-table.md")"
+    elif [[ $rc -eq 0 ]]; then record plot ok "$(basename "$stem-table.md") (no matplotlib: no picture)"
+    else record plot failed "exit $rc, see logs/plot.log"; fi
+  fi
+fi
+
 # ---------------------------------------------------------------- profile
 if has_step profile; then
   ncu=$(command -v ncu || true)
@@ -420,6 +465,13 @@ if lines:
             err_s = f"{err:.1e}" if isinstance(err, (int, float)) else "NaN"
             row += f" | {l['ms']:>21.4f} {100 * l.get('fraction_of_floor', 0):>5.1f}% {err_s:>7}"
         print(row)
+    table = results[:-len(".jsonl")] + "-table.md" if results.endswith(".jsonl") else ""
+    try:
+        tail = [l for l in open(table) if "against the best peer" in l]
+        if tail:
+            print("\n" + tail[-1].rstrip())
+    except OSError:
+        pass
     print("\nms: median time from topk ids/weights to output; floor% = floor_ms / ms "
           "(floor = max(touched-expert bytes / read bandwidth, 6*M*k*H*I / GEMM rate)); err = max per-token relative error.")
 PY
