@@ -7,7 +7,8 @@
 //
 // Rows: every built-in GPU backend with its defaults, plus variants of cuda_fused:
 // cuda_fused_det (deterministic = true: GEMM2 writes rows, combine sums them in slot order;
-// in the default list), and on request cuda_fused_mma (the mma.sync sm90 tuning forced on
+// in the default list), cuda_fused_batch_invariant (batch_invariant = true: a token's bits
+// independent of the batch; in the default list), and on request cuda_fused_mma (the mma.sync sm90 tuning forced on
 // sm_90a code), cuda_fused_m64 / cuda_fused_m64n128 / cuda_fused_m128 (the wgmma kernels with
 // 64 x 256, 64 x 128 or 128 x 256 tiles forced, where the default picks by shape),
 // cuda_fused_m128x2 (128-row tiles in 2-CTA clusters forced), cuda_fused_stream (the stream
@@ -31,7 +32,8 @@
 // as it launches them (the plan a programmatic dependent of topk at decode; up to 64 slots no
 // plan kernel runs, the stream GEMMs order the rows themselves, and it is topk alone); and
 // for graph-capturable backends layer_ms = topk and the run in one graph (routing included).
-// workspace_bytes is the runner's workspace query for the cell.
+// workspace_bytes is the runner's workspace query for the cell, plan its describe(M) (the kernels
+// that ran).
 //
 // Ceilings, measured first: HBM read bandwidth (a vectorized read kernel over 4 GiB, far
 // beyond the 60 MB L2), device copy bandwidth (cudaMemcpy device to device, read + write
@@ -105,9 +107,12 @@ struct backend_variant {
   bool plan_in_gemms = true;  // cuda_fused at decode: the schedule built in the GEMMs (else the plan kernel)
   // cuda_fused with the stream GEMMs: their use of L2 (unset: the policy's)
   std::optional<mr::gpu::stream_l2_use> stream_l2 = std::nullopt;
+  bool batch_invariant = false;
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
+    {"cuda_fused_batch_invariant", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true, 0, std::nullopt,
+     true, std::nullopt, true},
     {"cuda_fused_mma", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90, false, false},
     {"cuda_fused_m64", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m64, false, false},
     {"cuda_fused_m64n128", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m64n128, false, false},
@@ -429,16 +434,16 @@ routing_times routing_ms(const shape_desc& sh, const routing_set& r, std::int64_
   const graph_exec g = graph_exec::capture(s, [&](cudaStream_t cs) { route(sh, r, m, cs); });
   t.topk_ms = median_launch_ms(s, [&](int) { g.launch(s); });
   const std::size_t plan_bytes = mr::gpu::routing_plan_bytes(m, sh.k, sh.e);
-  int sm_count = 0;
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
-  // The tile rows cuda_fused picks on sm_90a code, and its launch: with the stream GEMMs
-  // (decode) the plan is a programmatic dependent of the kernel before it, here topk.
-  const mr::gpu::sm90_tile tile = mr::gpu::sm90_tile_for(m * sh.k, sh.e, sh.i, sm_count);
-  const int block_m = mr::gpu::sm90_schedule_block_m(tile);
-  const bool dependent = tile == mr::gpu::sm90_tile::stream;
-  // Up to local_plan_max_slots slots its stream GEMMs order the rows themselves (their time
-  // holds that work): no plan kernel runs after topk.
-  if (tile == mr::gpu::sm90_tile::stream && m * sh.k <= mr::kernels::local_plan_max_slots) {
+  // cuda_fused's own plan for the cell says which schedule it builds and how it launches it:
+  // with the stream GEMMs (decode) the plan kernel is a programmatic dependent of topk, and up
+  // to local_plan_max_slots slots no plan kernel runs (the GEMMs order the rows themselves).
+  const mr::gpu::fused_plan fused =
+      mr::cuda_fused_policy(mr::MoeRunnerConfig(
+                                {.num_experts = sh.e, .hidden_size = sh.h, .intermediate_size = sh.i, .top_k = sh.k}))
+          .plan(m);
+  const int block_m = fused.schedule_block_m;
+  const bool dependent = fused.dependent_launch;
+  if (fused.schedule_in_gemms) {
     t.with_plan_ms = t.topk_ms;
     return t;
   }
@@ -583,6 +588,7 @@ struct cell_result {
   double ms = 0.0;
   double layer_ms = std::numeric_limits<double>::quiet_NaN();  // topk + run in one graph
   std::size_t workspace_bytes = 0;
+  std::string plan;                 // the runner's describe(M): what ran
   std::vector<std::uint16_t> out;  // routing set 0's output, bf16 [M, H]
   bool nonfinite = false;           // a NaN or inf anywhere in out
   double max_rel_err = 0.0;
@@ -603,7 +609,8 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
                                    .hidden_size = sh.h,
                                    .intermediate_size = sh.i,
                                    .top_k = sh.k,
-                                   .deterministic = variant != nullptr && variant->deterministic});
+                                   .deterministic = variant != nullptr && variant->deterministic,
+                                   .batch_invariant = variant != nullptr && variant->batch_invariant});
     bench_runner runner(variant != nullptr ? std::string(variant->backend) : name, cfg);
     if (variant != nullptr) {
       runner.visit([&](auto& core) {
@@ -624,6 +631,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
       else return true;
     });
     res.workspace_bytes = runner.workspace_bytes(m);
+    res.plan = runner.describe(m);
     dbuf ws(res.workspace_bytes), out(static_cast<std::size_t>(m) * sh.h * 2);
     const auto outv = mr::tensor_view::contiguous(out.get(), mr::dtype::bf16, {m, sh.h}, mr::memory_space::device);
     const auto run_set = [&](int j, cudaStream_t cs) {
@@ -886,7 +894,7 @@ int main(int argc, char** argv) {
               << ",\"routing_ms\":" << json_number(route_ms.topk_ms)
               << ",\"route_plan_ms\":" << json_number(route_ms.with_plan_ms)
               << ",\"layer_ms\":" << json_number(r.layer_ms)
-              << ",\"workspace_bytes\":" << r.workspace_bytes
+              << ",\"workspace_bytes\":" << r.workspace_bytes << ",\"plan\":" << json_string(r.plan)
               << ",\"timing\":" << json_string(r.timing) << ",\"experts_touched\":" << json_number(touched)
               << ",\"bytes\":" << json_number(bytes) << ",\"flops\":" << json_number(flops) << "}\n";
       }

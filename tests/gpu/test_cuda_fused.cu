@@ -482,6 +482,114 @@ TEST_CASE("cuda_fused is deterministic when asked, and replays from a CUDA graph
     }
 }
 
+namespace {
+
+// Probe tokens whose rows are placed among random companions in batches of several sizes: their
+// inputs, routing and, per batch, their outputs.
+struct probes {
+  static constexpr int count = 3;
+  int e, k, h, i;
+  mr::dtype type;
+  host_tensor x, weights, ids, w13, w2;
+
+  probes(int e_, int k_, int h_, int i_, mr::dtype t, std::mt19937& rng)
+      : e(e_), k(k_), h(h_), i(i_), type(t), x(t, {count, h_}), weights(mr::dtype::f32, {count, k_}),
+        ids(mr::dtype::i32, {count, k_}), w13(t, {e_, 2 * i_, h_}), w2(t, {e_, h_, i_}) {
+    mr::test::fill_random(x, rng, 1.0f);
+    mr::test::fill_random(w13, rng, 2.0f / std::sqrt(static_cast<float>(h)));
+    mr::test::fill_random(w2, rng, 2.0f / std::sqrt(static_cast<float>(i)));
+    route(count, weights, ids, rng);
+    ids.view.ptr<std::int32_t>()[1 * k + 1] = -1;  // probe 1 has a filtered slot
+  }
+
+  void route(std::int64_t m, host_tensor& w, host_tensor& id, std::mt19937& rng) const {
+    host_tensor logits(mr::dtype::f32, {m, e});
+    mr::test::fill_random(logits, rng, 4.0f);
+    mr::TopKOutput out{w.view, id.view};
+    mr::reference::topk(logits.view, nullptr, {.top_k = k}, out);
+  }
+
+  mr::MoeRunnerConfig config(bool batch_invariant) const {
+    return mr::MoeRunnerConfig(
+        {.num_experts = e, .hidden_size = h, .intermediate_size = i, .top_k = k, .batch_invariant = batch_invariant});
+  }
+
+  // Runs a batch of m tokens, probe j at position at[j] (or left out where at[j] < 0), the rest
+  // random inputs and routings; returns each probe's output row as bytes (empty where left out).
+  std::vector<std::vector<unsigned char>> run(std::int64_t m, const std::vector<std::int64_t>& at, bool invariant,
+                                              std::mt19937& rng, std::string* plan = nullptr) const {
+    host_tensor bx(type, {m, h}), bw(mr::dtype::f32, {m, k}), bi(mr::dtype::i32, {m, k});
+    mr::test::fill_random(bx, rng, 1.0f);
+    route(m, bw, bi, rng);
+    const std::size_t row = static_cast<std::size_t>(h) * mr::dtype_size(type);
+    for (int j = 0; j < count; ++j) {
+      if (at[j] < 0) continue;
+      std::memcpy(static_cast<char*>(bx.view.data) + at[j] * row, static_cast<const char*>(x.view.data) + j * row, row);
+      std::memcpy(bw.view.ptr<float>() + at[j] * k, weights.view.ptr<const float>() + j * k, k * sizeof(float));
+      std::memcpy(bi.view.ptr<std::int32_t>() + at[j] * k, ids.view.ptr<const std::int32_t>() + j * k,
+                  k * sizeof(std::int32_t));
+    }
+    const mr::test::device_tensor dx(bx), dw(bw), di(bi), d13(w13), d2(w2);
+    host_tensor out(type, {m, h});
+    mr::test::device_tensor dout(out);
+    MOE_CUDA_CHECK(cudaMemset(dout.buf.get(), 0xff, dout.buf.bytes()));
+    runner_t runner("cuda_fused", config(invariant));
+    if (plan != nullptr) *plan = runner.describe(m);
+    device_buffer ws(runner.workspace_bytes(m));
+    MOE_CUDA_CHECK(cudaMemset(ws.get(), 0xff, ws.bytes()));
+    runner.run(mr::DispatchOutput{dx.view, {}, {dw.view, di.view}}, mr::unquantized_quant_info{d13.view, d2.view},
+               dout.view, {ws.get(), ws.bytes()}, cuda::stream_ref(cudaStream_t{}));
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    dout.to_host(out);
+    std::vector<std::vector<unsigned char>> rows(count);
+    for (int j = 0; j < count; ++j)
+      if (at[j] >= 0) {
+        const auto* b = static_cast<const unsigned char*>(out.view.data) + at[j] * row;
+        rows[j].assign(b, b + row);
+      }
+    return rows;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("cuda_fused batch_invariant: a token's bits do not depend on the batch it runs in") {
+  // E = 16, k = 4: one row per active expert at M = 1 (the default runs the stream GEMMs there),
+  // 16 at 64 (64-row tiles), 128 at 512 (128-row tiles), 1024 at 4096 (2-CTA clusters).
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  for (mr::dtype t : both_types) {
+    CAPTURE(std::string(mr::dtype_name(t)));
+    const probes pr(16, 4, odd_h, odd_i, t, rng);
+    // The probes' reference output, computed alone.
+    host_tensor ref(t, {probes::count, odd_h});
+    mr::MoeRunner<mr::reference_policy>("reference", pr.config(false))
+        .run(mr::DispatchOutput{pr.x.view, {}, {pr.weights.view, pr.ids.view}},
+             mr::unquantized_quant_info{pr.w13.view, pr.w2.view}, ref.view, {}, {});
+    const std::pair<std::int64_t, std::vector<std::int64_t>> batches[] = {
+        {1, {0, -1, -1}}, {7, {0, 3, 6}}, {64, {63, 1, 30}}, {512, {100, 511, 0}}, {4096, {4095, 2048, 7}}};
+    std::vector<std::vector<unsigned char>> first(probes::count);
+    for (const auto& [m, at] : batches) {
+      std::string plan;
+      const auto rows = pr.run(m, at, true, rng, &plan);
+      CAPTURE(plan);
+      for (int j = 0; j < probes::count; ++j) {
+        if (rows[j].empty()) continue;
+        CAPTURE(j);
+        // Within the dtype's bound of the reference (no poison, nothing non-finite) ...
+        host_tensor got(t, {1, odd_h}), want(t, {1, odd_h});
+        std::memcpy(got.view.data, rows[j].data(), rows[j].size());
+        std::memcpy(want.view.data, static_cast<const char*>(ref.view.data) + j * rows[j].size(), rows[j].size());
+        CHECK(mr::test::rel_error(got.view, want.view) <= per_row_factor * bound_for(t));
+        // ... and bit for bit what the probe got in the first batch it ran in.
+        if (first[j].empty()) first[j] = rows[j];
+        else CHECK_MESSAGE(rows[j] == first[j], "probe ", j, " changed its bits at M=", m);
+      }
+    }
+  }
+}
+
 TEST_CASE("cuda_fused workspace: the atomic mode needs no [M*k, H] rows") {
   const mr::MoeRunnerConfig fast({.num_experts = 8, .hidden_size = 4096, .intermediate_size = 1024, .top_k = 2});
   mr::moe_config_params det_params = fast.params();

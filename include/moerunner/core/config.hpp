@@ -46,6 +46,10 @@ struct moe_config_params {
   // Same bits on every run. Off, a backend may sum a token's expert rows in whatever order
   // they finish (cuda_fused: atomics in GEMM2's epilogue, no [M*k, H] intermediate).
   bool deterministic = false;
+  // A token's output bits depend only on its own input and routing, never on how many tokens
+  // run with it or which (reproducible serving). Implies deterministic. cuda_fused: one GEMM
+  // kernel family and K order for every M, no K split that depends on M, combine in slot order.
+  bool batch_invariant = false;
 };
 
 inline constexpr int max_top_k = 32;
@@ -55,6 +59,7 @@ class MoeRunnerConfig {
  public:
   explicit MoeRunnerConfig(const moe_config_params& p) : p_(p) {
     if (p_.num_local_experts == 0) p_.num_local_experts = p_.num_experts;
+    if (p_.batch_invariant) p_.deterministic = true;
     validate();
   }
 
@@ -70,6 +75,7 @@ class MoeRunnerConfig {
   bool no_combine() const { return p_.no_combine; }
   bool inplace() const { return p_.inplace; }
   bool deterministic() const { return p_.deterministic; }
+  bool batch_invariant() const { return p_.batch_invariant; }
   // Rows of w13 per expert: 2I when gated, I otherwise.
   int w13_rows() const { return p_.is_gated ? 2 * p_.intermediate_size : p_.intermediate_size; }
   const moe_config_params& params() const { return p_; }

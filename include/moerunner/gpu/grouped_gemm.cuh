@@ -29,19 +29,6 @@ namespace moerunner::gpu {
 // ---------------------------------------------------------------------------------------------
 // M-tile schedule
 
-// The most M tiles any routing of `rows` rows over `num_experts` experts can need:
-// sum_e ceil(n_e / bm) <= ceil(rows / bm) + num_experts.
-inline std::int64_t moe_m_tile_capacity(std::int64_t rows, int num_experts, int block_m) {
-  return (rows + block_m - 1) / block_m + num_experts;
-}
-
-inline std::size_t tile_schedule_bytes(std::int64_t rows, int num_experts, int block_m) {
-  // The tile count, then the tiles, each in its own 256-byte piece.
-  return plan_piece_bytes(sizeof(std::int32_t)) +
-         plan_piece_bytes(static_cast<std::size_t>(moe_m_tile_capacity(rows, num_experts, block_m)) *
-                          sizeof(moe_m_tile));
-}
-
 struct tile_schedule {
   const moe_m_tile* tiles = nullptr;
   const std::int32_t* count = nullptr;  // device: tiles actually used

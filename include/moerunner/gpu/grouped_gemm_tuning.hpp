@@ -3,8 +3,12 @@
 // a tuning is a value (a struct of ints with ==), checked where it is defined.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
+
+#include "moerunner/gpu/routing_plan.hpp"
 
 namespace moerunner::gpu {
 
@@ -240,11 +244,14 @@ enum class sm90_tile : std::uint8_t { stream, m64, m64n128, m128, m128x2 };
 // trail by 1.6x at 16 (Mixtral-8x7B, 64 tokens).
 inline constexpr int stream_max_rows_per_expert = 4;
 
-constexpr sm90_tile sm90_tile_for(std::int64_t rows, int num_experts, int intermediate_size, int sm_count) {
+// `allow_stream` false keeps every M on the wgmma kernels (batch-invariant runs: one kernel
+// family, hence one K order, whatever the batch).
+constexpr sm90_tile sm90_tile_for(std::int64_t rows, int num_experts, int intermediate_size, int sm_count,
+                                  bool allow_stream = true) {
   const std::int64_t active = rows < num_experts ? rows : num_experts;
   if (active > 0 && rows >= 512 * active) return sm90_tile::m128x2;
   if (rows > 64 * active) return sm90_tile::m128;
-  if (rows <= stream_max_rows_per_expert * active) return sm90_tile::stream;
+  if (allow_stream && rows <= stream_max_rows_per_expert * active) return sm90_tile::stream;
   const std::int64_t gemm1_items = active * ((intermediate_size + 127) / 128);
   return 2 * gemm1_items <= sm_count ? sm90_tile::m64n128 : sm90_tile::m64;
 }
@@ -330,5 +337,56 @@ struct alignas(16) moe_m_tile {
   std::int32_t row_end;
   std::int32_t unused;
 };
+
+// Where GEMM2 (down) puts the row of each (token, expert) pair.
+enum class down_store : std::uint8_t {
+  rows,        // c = rows [R, n] in row order; combine_rows sums them later in a fixed order
+  slots,       // c = out [M, k, n]: row r to its slot, times scale * router weight (no_combine)
+  accumulate,  // c = out [M, n], zeroed first: added to its token's row, times scale * router weight
+  partials,    // split-K, deterministic: split s of row r to partials[s * R * n + r * n] in f32
+};
+
+// Up to this many slots (M * k) the stream GEMMs can build the schedule and row order in each
+// CTA from topk_ids (kernels/moerunner/kernels/kernel_local_plan.cuh): its shared-memory tables.
+inline constexpr int local_plan_max_slots = 64;
+
+// The most M tiles any routing of `rows` rows over `num_experts` experts can need:
+// sum_e ceil(n_e / bm) <= ceil(rows / bm) + num_experts.
+inline std::int64_t moe_m_tile_capacity(std::int64_t rows, int num_experts, int block_m) {
+  return (rows + block_m - 1) / block_m + num_experts;
+}
+
+inline std::size_t tile_schedule_bytes(std::int64_t rows, int num_experts, int block_m) {
+  // The tile count, then the tiles, each in its own 256-byte piece.
+  return plan_piece_bytes(sizeof(std::int32_t)) +
+         plan_piece_bytes(static_cast<std::size_t>(moe_m_tile_capacity(rows, num_experts, block_m)) *
+                          sizeof(moe_m_tile));
+}
+
+// K splits for the wgmma GEMM2 (n = H columns in items of `cols`, k = I) over a schedule of
+// at most `tile_bound` M tiles. Where the (M tile, N tile) items come in few waves over the SMs
+// (decode: few active experts), a whole wave is idle in the worst case (224 items on 132 SMs
+// take two item times, 1.7 of them busy): splitting each item's K range into s parts makes
+// items * s work items, and the split count with the fewest item times, ceil(items * s /
+// SMs) / s, within 3% of the best is taken, the smallest such. A split keeps at least
+// min_k_tiles_per_split K tiles so that its pipeline fills. Host arithmetic only: the
+// workspace query and the run agree on it.
+constexpr int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_count,
+                                  int cols = sm90_wgmma_gemm_policy::tuning.block_n) {
+  constexpr std::int64_t min_k_tiles_per_split = 4, max_splits = 16, max_waves = 4;
+  const std::int64_t items = tile_bound * ((n + cols - 1) / cols);
+  if (items <= 0 || sm_count <= 0 || items > max_waves * sm_count) return 1;
+  constexpr int bk = sm90_wgmma_gemm_policy::tuning.block_k;
+  const std::int64_t k_tiles = (k + bk - 1) / bk;
+  const std::int64_t most = std::max<std::int64_t>(1, std::min(max_splits, k_tiles / min_k_tiles_per_split));
+  const auto item_times = [&](std::int64_t s) {
+    return static_cast<double>((items * s + sm_count - 1) / sm_count) / static_cast<double>(s);
+  };
+  double best = item_times(1);
+  for (std::int64_t s = 2; s <= most; ++s) best = std::min(best, item_times(s));
+  for (std::int64_t s = 1; s <= most; ++s)
+    if (item_times(s) <= best * 1.03) return static_cast<int>(s);
+  return 1;
+}
 
 }  // namespace moerunner::gpu

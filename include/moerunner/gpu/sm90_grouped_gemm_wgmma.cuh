@@ -24,6 +24,7 @@
 
 #include "moerunner/core/error.hpp"
 #include "moerunner/gpu/cuda_check.hpp"
+#include "moerunner/gpu/fused_plan.hpp"
 #include "moerunner/gpu/grouped_gemm.cuh"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/gpu/pdl_launch.cuh"
@@ -93,6 +94,35 @@ inline bool wgmma_gemm_available(const device_facts& dev) {
   return ok;
 }
 
+// What the run plan reads of a device (gpu::make_fused_plan).
+inline device_target device_target_of(const device_facts& dev) {
+  return {dev.code_arch, wgmma_gemm_available(dev), dev.sm_count};
+}
+
+// The target of device `device`, asked with it made current for the query (the kernel images a
+// device runs are asked of the current one); the caller's current device is restored.
+inline device_target device_target_of(int device) {
+  int current = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&current));
+  MOE_CUDA_CHECK(cudaSetDevice(device));
+  struct restore {
+    int device;
+    ~restore() { (void)cudaSetDevice(device); }
+  } const back{current};
+  return device_target_of(current_device_facts());
+}
+
+// The current device's target, or none (code_arch 0) where no device is usable: host-only
+// callers size workspaces for the mma.sync family, which takes no K-split parts.
+inline device_target current_device_target_or_none() {
+  int device = 0, count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 || cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: leave no error behind for the caller's next check
+    return {};
+  }
+  return device_target_of(current_device_facts());
+}
+
 // Raises the kernel's dynamic shared memory limit on the device (once), checks that a CTA
 // (a cluster of cluster_m CTAs) fits, and returns how many clusters run at once on the device,
 // sm_count for single CTAs; a cluster needs its CTAs on SMs of one GPC, which may leave some
@@ -123,32 +153,6 @@ int prepare_wgmma_gemm(const device_facts& dev) {
                  " bytes of shared memory per CTA, clusters of " + std::to_string(tuning.cluster_m) + ")");
   if (cached) places[dev.device].store(n, std::memory_order_relaxed);
   return n;
-}
-
-// K splits for the wgmma GEMM2 (n = H columns in items of `cols`, k = I) over a schedule of
-// at most `tile_bound` M tiles. Where the (M tile, N tile) items come in few waves over the SMs
-// (decode: few active experts), a whole wave is idle in the worst case (224 items on 132 SMs
-// take two item times, 1.7 of them busy): splitting each item's K range into s parts makes
-// items * s work items, and the split count with the fewest item times, ceil(items * s /
-// SMs) / s, within 3% of the best is taken, the smallest such. A split keeps at least
-// min_k_tiles_per_split K tiles so that its pipeline fills. Host arithmetic only: the
-// workspace query and the run agree on it.
-inline int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_count,
-                               int cols = sm90_wgmma_gemm_policy::tuning.block_n) {
-  constexpr std::int64_t min_k_tiles_per_split = 4, max_splits = 16, max_waves = 4;
-  const std::int64_t items = tile_bound * ((n + cols - 1) / cols);
-  if (items <= 0 || sm_count <= 0 || items > max_waves * sm_count) return 1;
-  constexpr int bk = sm90_wgmma_gemm_policy::tuning.block_k;
-  const std::int64_t k_tiles = (k + bk - 1) / bk;
-  const std::int64_t most = std::max<std::int64_t>(1, std::min(max_splits, k_tiles / min_k_tiles_per_split));
-  const auto item_times = [&](std::int64_t s) {
-    return static_cast<double>((items * s + sm_count - 1) / sm_count) / static_cast<double>(s);
-  };
-  double best = item_times(1);
-  for (std::int64_t s = 2; s <= most; ++s) best = std::min(best, item_times(s));
-  for (std::int64_t s = 1; s <= most; ++s)
-    if (item_times(s) <= best * 1.03) return static_cast<int>(s);
-  return 1;
 }
 
 // Launches one grouped GEMM of a wgmma tuning (Policy: sm90_wgmma_gemm_policy,

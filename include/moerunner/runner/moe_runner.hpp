@@ -7,7 +7,9 @@
 // no virtual calls and no function pointers on the run path.
 #pragma once
 
+#include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -53,6 +55,17 @@ class MoeRunner {
   // Scratch memory one run over `num_tokens` tokens needs; the caller owns it.
   std::size_t workspace_bytes(std::int64_t num_tokens) const {
     return visit([&](const auto& core) { return core.workspace_bytes(num_tokens); });
+  }
+
+  // One line for a log saying what a run over num_tokens tokens does: the policy's
+  // describe(num_tokens) where it has one (cuda_fused: kernels, tiles, workspace), else its name.
+  std::string describe(std::int64_t num_tokens) const {
+    return visit([&](const auto& core) -> std::string {
+      if constexpr (requires { { core.describe(num_tokens) } -> std::convertible_to<std::string>; })
+        return core.describe(num_tokens);
+      else
+        return std::string(std::decay_t<decltype(core)>::name) + " M=" + std::to_string(num_tokens);
+    });
   }
 
   // Where this runner's tensors must live.

@@ -110,13 +110,8 @@ enum class moe_gemm_kind : std::uint8_t {
   down,     // GEMM2: B = w2[e] ([H, I]); A = act rows in row order
 };
 
-// Where GEMM2 (down) puts the row of each (token, expert) pair.
-enum class down_store : std::uint8_t {
-  rows,        // c = rows [R, n] in row order; combine_rows sums them later in a fixed order
-  slots,       // c = out [M, k, n]: row r to its slot, times scale * router weight (no_combine)
-  accumulate,  // c = out [M, n], zeroed first: added to its token's row, times scale * router weight
-  partials,    // split-K, deterministic: split s of row r to partials[s * R * n + r * n] in f32
-};
+// Where GEMM2 puts its rows: chosen by the run plan (gpu/grouped_gemm_tuning.hpp).
+using down_store = gpu::down_store;
 
 template <class T>
 struct moe_gemm_params {

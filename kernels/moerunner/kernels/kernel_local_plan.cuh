@@ -22,7 +22,7 @@
 
 namespace moerunner::kernels {
 
-inline constexpr int local_plan_max_slots = 64;
+inline constexpr int local_plan_max_slots = gpu::local_plan_max_slots;
 
 struct local_plan {
   gpu::moe_m_tile tiles[local_plan_max_slots];  // at most one tile per slot

@@ -23,6 +23,9 @@
 //
 // The same wait lets this backend reject an expert id outside [-1, num_local_experts)
 // before anything is written to the output.
+//
+// batch_invariant is refused when the policy is built: cuBLAS's kernel choice follows the
+// per-expert row counts.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -112,6 +115,11 @@ class cublas_grouped_policy {
   static constexpr std::size_t element_bytes = 2;
 
   explicit cublas_grouped_policy(const MoeRunnerConfig& cfg) : cfg_(cfg) {
+    // cuBLAS picks its kernels (and any split of K) from the group sizes, which follow the batch.
+    if (cfg_.batch_invariant())
+      throw unsupported_error("cublas_grouped_policy: batch_invariant is not supported (cuBLAS picks its GEMM "
+                              "kernels from the per-expert row counts, so a token's bits can follow its batch); "
+                              "use cuda_fused or reference");
     const int e = cfg_.num_local_experts();
     cublasHandle_t h = nullptr;
     MOE_CUBLAS_CHECK(cublasCreate(&h));

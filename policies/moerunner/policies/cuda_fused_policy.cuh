@@ -20,22 +20,25 @@
 //      written as f32 parts that combine_rows sums in split order.
 // The GEMM grids are persistent and sized from M, k, E only, so no per-expert count ever
 // reaches the host: no allocation and no host synchronization inside a run, which makes it
-// CUDA-graph capturable. The GEMM tuning is picked by gpu::select_gemm_tuning from the code
-// the device runs: sm_90a code gets the wgmma + TMA kernels, other sm_90 code the mma.sync
-// sm90 tuning, sm_80 code sm80. Where active experts average at most 4 rows (decode), sm_90a
-// code runs the stream GEMMs instead: mma.sync with the weight rows as M, fed through
-// warp-private cp.async rings, a CTA's warps splitting K; their weight copies are evict-first
-// in L2 and, where a warp walks 16 or more K tiles, fetch 256 bytes at a time
-// (set_stream_l2, gpu::stream_l2_use). Up to 64 slots (M * k) no plan
-// kernel runs then (unless set_plan_in_gemms(false)): every CTA of both GEMMs orders the rows
-// and cuts the tiles itself from topk_ids in shared memory, exactly as the plan would
-// (kernel_local_plan.cuh), and GEMM1's first CTA sets the error flag and, for the deterministic
-// combine, writes the plan's slot_to_row. The wgmma kernels come with M tiles of 64 rows (two
-// consumer warpgroups splitting the weight rows, five stages) where active experts average at
-// most 64 rows; with 128-row tiles in pairs of CTAs that share each weight tile by TMA
-// multicast where they average 512 or more, single 128-row tiles between; and with 64 x 128
-// tiles (one consumer warpgroup, eight stages) where GEMM1's 64 x 256 items would leave SMs
-// idle (gpu::sm90_tile_for). set_gemm_tuning forces one (tests, benchmarks).
+// CUDA-graph capturable. Every choice below is made once per run by gpu::make_fused_plan
+// (gpu/fused_plan.hpp), which workspace_bytes reads too; plan(M) and describe(M) show it.
+// The GEMM tuning follows the code the device runs (gpu::select_gemm_tuning): sm_90a code
+// gets the wgmma + TMA kernels, other sm_90 code the mma.sync sm90 tuning, sm_80 code sm80.
+// Where active experts average at most 4 rows (decode), sm_90a code runs the stream GEMMs
+// instead: mma.sync with the weight rows as M, fed through warp-private cp.async rings, a
+// CTA's warps splitting K; their weight copies are evict-first in L2 and, where a warp walks
+// 16 or more K tiles, fetch 256 bytes at a time (set_stream_l2, gpu::stream_l2_use). Up to 64
+// slots (M * k) no plan kernel runs then (unless set_plan_in_gemms(false)): every CTA of both
+// GEMMs orders the rows and cuts the tiles itself from topk_ids in shared memory, exactly as
+// the plan would (kernel_local_plan.cuh), and GEMM1's first CTA sets the error flag and, for
+// the deterministic combine, writes the plan's slot_to_row. The wgmma kernels come with M
+// tiles of 64 rows (two consumer warpgroups splitting the weight rows, five stages) where
+// active experts average at most 64 rows; with 128-row tiles in pairs of CTAs that share each
+// weight tile by TMA multicast where they average 512 or more, single 128-row tiles between;
+// and with 64 x 128 tiles (one consumer warpgroup, eight stages) where GEMM1's 64 x 256 items
+// would leave SMs idle (gpu::sm90_tile_for). set_gemm_tuning forces one (tests, benchmarks).
+// batch_invariant keeps every M on the wgmma kernels (whose K order does not depend on the
+// tile) with no K split, GEMM2 writing rows that combine sums in slot order.
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
@@ -105,8 +108,8 @@ class cuda_fused_policy {
 
   // Forces a GEMM tuning instead of the device's own (benchmarks, and tests that run the
   // sm80 tuning on a Hopper GPU); a tuning newer than the device is rejected at run time.
-  void set_gemm_tuning(gpu::gemm_tuning_choice choice) noexcept { tuning_ = choice; }
-  gpu::gemm_tuning_choice gemm_tuning() const noexcept { return tuning_; }
+  void set_gemm_tuning(gpu::gemm_tuning_choice choice) noexcept { settings_.tuning = choice; }
+  gpu::gemm_tuning_choice gemm_tuning() const noexcept { return settings_.tuning; }
 
   // Launch-order settings, for measuring them: the M tiles per raster band (0: the tuning's),
   // and whether the plan and the GEMMs are programmatic dependent launches. Unset, they are
@@ -117,11 +120,11 @@ class cuda_fused_policy {
     MOE_EXPECT(band >= 0, "cuda_fused_policy::set_raster_band", "band must be 0 (the tuning's) or positive");
     raster_band_ = band;
   }
-  void set_dependent_launch(bool on) noexcept { dependent_launch_ = on; }
+  void set_dependent_launch(bool on) noexcept { settings_.dependent_launch = on; }
   // Whether the stream GEMMs build the schedule themselves at decode instead of the plan
   // kernel (see the pipeline above). On by default: measured 12% faster on Qwen3-30B-A3B at one
   // token, 1-4% at 8 tokens (bench/NOTES.md); off runs the plan kernel (benchmarks, tests).
-  void set_plan_in_gemms(bool on) noexcept { plan_in_gemms_ = on; }
+  void set_plan_in_gemms(bool on) noexcept { settings_.plan_in_gemms = on; }
   // The stream GEMMs' use of L2 (gpu::stream_l2_use; the defaults measured fastest), for
   // measuring it.
   void set_stream_l2(const gpu::stream_l2_use& use) {
@@ -132,12 +135,26 @@ class cuda_fused_policy {
     stream_l2_ = use;
   }
 
+  // Every choice a run over num_tokens tokens makes (kernel family, tile, cluster, K splits,
+  // where GEMM2 stores, the workspace pieces), for the current device or a given one: the
+  // single source of workspace_bytes and of the run. describe() is one line for a log.
+  gpu::fused_plan plan(std::int64_t num_tokens) const {
+    return plan(num_tokens, gpu::current_device_target_or_none());
+  }
+  gpu::fused_plan plan(std::int64_t num_tokens, const gpu::device_target& dev) const {
+    return gpu::make_fused_plan(cfg_, settings_, num_tokens, dev);
+  }
+  std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
+
   // Alignment slack + routing plan + M-tile schedule + act [M*k, I], each piece 256-byte
   // aligned, and when deterministic and combining the rows GEMM2 writes for combine: [M*k, H]
-  // at 2 bytes, or where GEMM2 splits K at decode its f32 parts [splits, M*k, H] (the split
-  // count depends on the current device's SM count). Exactly what run_from_dispatch carves.
-  std::size_t workspace_bytes(std::int64_t num_tokens) const {
-    return layout(num_tokens, down_k_splits(num_tokens, gpu::current_sm_count_or_zero())).total;
+  // at 2 bytes, or where GEMM2 splits K at decode its f32 parts [splits, M*k, H]. The split
+  // count follows the device's SM count: a workspace sized for one device can be too small on
+  // another (or under MIG), and the run then throws before anything runs; size it with the
+  // target's overload for another device (gpu::device_target_of).
+  std::size_t workspace_bytes(std::int64_t num_tokens) const { return plan(num_tokens).workspace.total; }
+  std::size_t workspace_bytes(std::int64_t num_tokens, const gpu::device_target& dev) const {
+    return plan(num_tokens, dev).workspace.total;
   }
 
   CombineInput run_from_dispatch(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
@@ -165,10 +182,9 @@ class cuda_fused_policy {
     const std::int64_t m = d.num_tokens();
     MOE_EXPECT(m * cfg_.top_k() <= 0x7fffffff, where, "num_tokens * top_k must fit in 32 bits");
     const gpu::device_facts dev = gpu::current_device_facts();
-    const int splits = down_k_splits(m, dev.sm_count);
-    const pieces lay = layout(m, splits);
-    detail::validate_workspace(lay.total, ws, where);
-    if (store_mode() != kernels::down_store::rows)
+    const gpu::fused_plan pl = plan(m, gpu::device_target_of(dev));
+    detail::validate_workspace(pl.workspace.total, ws, where);
+    if (pl.down != kernels::down_store::rows && pl.down != kernels::down_store::partials)
       MOE_EXPECT(reinterpret_cast<std::uintptr_t>(out.data) % pointer_alignment == 0, where,
                  "the output must be 16-byte aligned (GEMM2 stores into it; deterministic mode with combining "
                  "takes any alignment)");
@@ -176,117 +192,43 @@ class cuda_fused_policy {
     const CombineInput result{out, !cfg_.no_combine()};
     if (m == 0) return result;
 
-    const gpu::gemm_tuning_choice choice =
-        tuning_ == gpu::gemm_tuning_choice::automatic
-            ? gpu::select_gemm_tuning(dev.code_arch, dev.code_arch >= 90 && gpu::wgmma_gemm_available(dev))
-            : tuning_;
-    const int min_arch = gpu::gemm_tuning_min_arch(choice);
+    const int min_arch = gpu::gemm_tuning_min_arch(pl.choice);
     if (dev.code_arch < min_arch)
-      throw unsupported_error(std::string(where) + ": GEMM tuning '" + std::string(gpu::gemm_tuning_name(choice)) +
+      throw unsupported_error(std::string(where) + ": GEMM tuning '" + std::string(gpu::gemm_tuning_name(pl.choice)) +
                               "' needs code compiled for sm_" + std::to_string(min_arch) +
                               " or newer; this device (sm_" + std::to_string(dev.arch) +
                               ") runs code compiled for sm_" + std::to_string(dev.code_arch));
-
-    const bool wgmma = gpu::is_wgmma_choice(choice);
-    if (wgmma && !gpu::wgmma_gemm_available(dev))
-      throw unsupported_error(std::string(where) + ": GEMM tuning '" + std::string(gpu::gemm_tuning_name(choice)) +
+    if (gpu::is_wgmma_choice(pl.choice) && !gpu::wgmma_gemm_available(dev))
+      throw unsupported_error(std::string(where) + ": GEMM tuning '" + std::string(gpu::gemm_tuning_name(pl.choice)) +
                               "' needs code compiled for sm_90a; this device (sm_" + std::to_string(dev.arch) +
                               ") runs code compiled for sm_" + std::to_string(dev.code_arch) + " without it");
 
     const bool bf16 = type == dtype::bf16;
     const cudaStream_t s = stream_ref.get();
-    if (choice == gpu::gemm_tuning_choice::stream) {
-      run_pipeline<gpu::stream_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
-    } else if (wgmma) {
-      switch (sm90_tile(choice, m, dev.sm_count)) {
-        case gpu::sm90_tile::stream:
-          run_pipeline<gpu::stream_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
-          break;
-        case gpu::sm90_tile::m64:
-          run_pipeline<gpu::sm90_wgmma_m64_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
-          break;
-        case gpu::sm90_tile::m64n128:
-          run_pipeline<gpu::sm90_wgmma_m64n128_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
-          break;
-        case gpu::sm90_tile::m128x2:
-          run_pipeline<gpu::sm90_wgmma_m128x2_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits);
-          break;
-        default: run_pipeline<gpu::sm90_wgmma_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, splits); break;
-      }
-    } else if (choice == gpu::gemm_tuning_choice::sm90) {
-      run_pipeline<gpu::sm90_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, 1);
-    } else {
-      run_pipeline<gpu::sm80_gemm_policy>(bf16, d, q, out, ws, lay, dev, s, 1);
+    switch (pl.family) {
+      case gpu::gemm_family::stream: run_pipeline<gpu::stream_gemm_policy>(bf16, d, q, out, ws, pl, dev, s); break;
+      case gpu::gemm_family::wgmma:
+        switch (pl.tile) {
+          case gpu::sm90_tile::m64: run_pipeline<gpu::sm90_wgmma_m64_gemm_policy>(bf16, d, q, out, ws, pl, dev, s); break;
+          case gpu::sm90_tile::m64n128:
+            run_pipeline<gpu::sm90_wgmma_m64n128_gemm_policy>(bf16, d, q, out, ws, pl, dev, s);
+            break;
+          case gpu::sm90_tile::m128x2:
+            run_pipeline<gpu::sm90_wgmma_m128x2_gemm_policy>(bf16, d, q, out, ws, pl, dev, s);
+            break;
+          default: run_pipeline<gpu::sm90_wgmma_gemm_policy>(bf16, d, q, out, ws, pl, dev, s); break;
+        }
+        break;
+      case gpu::gemm_family::mma:
+        if (pl.choice == gpu::gemm_tuning_choice::sm90) run_pipeline<gpu::sm90_gemm_policy>(bf16, d, q, out, ws, pl, dev, s);
+        else run_pipeline<gpu::sm80_gemm_policy>(bf16, d, q, out, ws, pl, dev, s);
+        break;
     }
     return result;
   }
 
  private:
   static constexpr std::size_t piece_alignment = gpu::plan_piece_alignment;
-
-  static constexpr std::size_t round_up(std::size_t n) {
-    return (n + piece_alignment - 1) / piece_alignment * piece_alignment;
-  }
-
-  // Byte offsets from the aligned workspace start.
-  struct pieces {
-    std::size_t plan = 0, plan_bytes = 0;
-    std::size_t schedule = 0, schedule_bytes = 0;
-    std::size_t act = 0, rows = 0;
-    std::size_t total = 0;  // including the slack that aligns the start
-  };
-
-  // Where GEMM2 puts its rows (see the pipeline at the top), without K splits.
-  kernels::down_store store_mode() const {
-    if (cfg_.no_combine()) return kernels::down_store::slots;
-    return cfg_.deterministic() ? kernels::down_store::rows : kernels::down_store::accumulate;
-  }
-
-  // The tile of the sm_90a kernel set: forced, or by shape (gpu::sm90_tile_for).
-  gpu::sm90_tile sm90_tile(gpu::gemm_tuning_choice choice, std::int64_t num_tokens, int sm_count) const {
-    if (choice == gpu::gemm_tuning_choice::stream) return gpu::sm90_tile::stream;
-    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m64) return gpu::sm90_tile::m64;
-    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m64n128) return gpu::sm90_tile::m64n128;
-    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m128) return gpu::sm90_tile::m128;
-    if (choice == gpu::gemm_tuning_choice::sm90_wgmma_m128x2) return gpu::sm90_tile::m128x2;
-    return gpu::sm90_tile_for(num_tokens * cfg_.top_k(), cfg_.num_local_experts(), cfg_.intermediate_size(),
-                               sm_count);
-  }
-
-  // GEMM2's K splits on the wgmma path (1 on the mma.sync ones): only when it combines, and
-  // only where the (M tile, N tile) items come in few waves (decode). A function of the shape
-  // and the forced tuning, so that workspace_bytes and the run agree.
-  int down_k_splits(std::int64_t num_tokens, int sm_count) const {
-    if (cfg_.no_combine() || num_tokens <= 0) return 1;
-    const std::int64_t slots = num_tokens * cfg_.top_k();
-    const gpu::sm90_tile tile = sm90_tile(tuning_, num_tokens, sm_count);
-    if (tile == gpu::sm90_tile::stream) return 1;  // its CTAs split K among their warps only
-    const std::int64_t tile_bound =
-        std::min(gpu::moe_m_tile_capacity(slots, cfg_.num_local_experts(), gpu::sm90_schedule_block_m(tile)), slots);
-    // A cluster's CTAs run one item together: the items fill sm_count / cluster places.
-    return gpu::wgmma_down_k_splits(tile_bound, cfg_.hidden_size(), cfg_.intermediate_size(),
-                                    sm_count / gpu::sm90_cluster_m(tile), gpu::sm90_block_n(tile));
-  }
-
-  pieces layout(std::int64_t num_tokens, int splits) const {
-    const auto slots = static_cast<std::size_t>(num_tokens) * static_cast<std::size_t>(cfg_.top_k());
-    const int e = cfg_.num_local_experts();
-    pieces p;
-    p.plan_bytes = round_up(gpu::routing_plan_bytes(num_tokens, cfg_.top_k(), e));
-    p.schedule = p.plan + p.plan_bytes;
-    p.schedule_bytes =
-        round_up(gpu::tile_schedule_bytes(static_cast<std::int64_t>(slots), e, gpu::moe_gemm_min_block_m));
-    p.act = p.schedule + p.schedule_bytes;
-    p.rows = p.act + round_up(slots * static_cast<std::size_t>(cfg_.intermediate_size()) * element_bytes);
-    const std::size_t row_elems = slots * static_cast<std::size_t>(cfg_.hidden_size());
-    std::size_t rows_bytes = 0;
-    if (store_mode() == kernels::down_store::rows)
-      rows_bytes = round_up(splits > 1 ? static_cast<std::size_t>(splits) * row_elems * sizeof(float)
-                                       : row_elems * element_bytes);
-    const std::size_t end = p.rows + rows_bytes;
-    p.total = end + piece_alignment;
-    return p;
-  }
 
   // M tiles per raster band: the tuning's unless set (bands of 8 measured as fast as N-fastest
   // order or faster on every benchmark cell, up to 1.2x where experts have many M tiles).
@@ -320,13 +262,16 @@ class cuda_fused_policy {
 
   template <class T, class GemmPolicy>
   void run_pipeline_as(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
-                    workspace_view ws, const pieces& lay, const gpu::device_facts& dev, cudaStream_t stream,
-                    int splits) {
+                       workspace_view ws, const gpu::fused_plan& pl, const gpu::device_facts& dev,
+                       cudaStream_t stream) {
     constexpr auto tuning = GemmPolicy::tuning;
     static_assert(tuning.schedule_block_m() >= gpu::moe_gemm_min_block_m,
                   "the workspace sizes the M-tile schedule for the smallest tile");
     constexpr bool stream_gemm = std::is_same_v<std::remove_cv_t<decltype(tuning)>, gpu::stream_gemm_tuning>;
-    const bool dependent = dependent_launch_.value_or(stream_gemm);
+    MOE_EXPECT(tuning.schedule_block_m() == pl.schedule_block_m, "cuda_fused_policy",
+               "internal: the plan's schedule tile does not match the kernel it runs");
+    const bool dependent = pl.dependent_launch;
+    const gpu::fused_workspace& lay = pl.workspace;
     const std::int64_t m = d.num_tokens();
     const int k = cfg_.top_k(), hidden = cfg_.hidden_size(), inter = cfg_.intermediate_size();
     const std::int64_t slots = m * k;
@@ -334,10 +279,9 @@ class cuda_fused_policy {
     start = (start + piece_alignment - 1) / piece_alignment * piece_alignment;
     char* base = reinterpret_cast<char*>(start);
 
-    const kernels::down_store store = store_mode();
-    // With plan_in_gemms the stream GEMMs build the schedule in each CTA from topk_ids (no plan
-    // kernel) up to 64 slots; GEMM1 writes slot_to_row when combine reads it (deterministic).
-    const bool schedule_in_gemms = stream_gemm && plan_in_gemms_ && slots <= kernels::local_plan_max_slots;
+    // The stream GEMMs may build the schedule in each CTA from topk_ids (no plan kernel); GEMM1
+    // then writes slot_to_row when combine reads it (deterministic).
+    const bool schedule_in_gemms = pl.schedule_in_gemms;
     gpu::routing_plan plan;
     gpu::tile_schedule schedule;
     if (schedule_in_gemms) {
@@ -357,7 +301,7 @@ class cuda_fused_policy {
     const float* weights = d.topk.topk_weights.ptr<const float>();
     // GEMM1 zeroes what GEMM2 adds into (accumulate), or the slots no row reaches (no_combine);
     // an output that aliases x (inplace) is zeroed only once GEMM1 has read x.
-    const bool clear_in_gemm1 = store != kernels::down_store::rows && !cfg_.inplace();
+    const bool clear_in_gemm1 = pl.clear_in_gemm1;
 
     kernels::moe_gemm_params<T> g1{};
     g1.a = d.hidden_states.ptr<const T>();
@@ -379,7 +323,7 @@ class cuda_fused_policy {
       g1.local_slots = static_cast<int>(slots);
       g1.local_experts = cfg_.num_local_experts();
       g1.local_error = plan.error_flag;
-      if (store == kernels::down_store::rows) g1.local_slot_to_row = plan.slot_to_row;
+      if (pl.combine_kernel) g1.local_slot_to_row = plan.slot_to_row;
     }
     const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
     const float* row_weights = cfg_.apply_router_weight_on_input() ? nullptr : weights;
@@ -392,16 +336,16 @@ class cuda_fused_policy {
     g2.n = hidden;
     g2.k = inter;
     g2.act = cfg_.act();
-    g2.k_splits = splits;
+    g2.k_splits = pl.down_k_splits;
     g2.local_ids = g1.local_ids;
     g2.local_slots = g1.local_slots;
     g2.local_experts = g1.local_experts;
     // Deterministic split-K: f32 parts per split, summed in split order by combine.
-    g2.store = store == kernels::down_store::rows && splits > 1 ? kernels::down_store::partials : store;
+    g2.store = pl.down;
     if (g2.store == kernels::down_store::partials) {
       g2.partials = reinterpret_cast<float*>(base + lay.rows);
       g2.split_stride = slots * hidden;
-    } else if (store == kernels::down_store::rows) {
+    } else if (g2.store == kernels::down_store::rows) {
       g2.c = reinterpret_cast<T*>(base + lay.rows);
     } else {
       g2.c = static_cast<T*>(out.data);
@@ -417,7 +361,7 @@ class cuda_fused_policy {
     if (cfg_.is_gated())
       launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::gate_up>(g1, schedule, dev, stream, dependent);
     else launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::up_only>(g1, schedule, dev, stream, dependent);
-    const bool memset_between = store != kernels::down_store::rows && !clear_in_gemm1;
+    const bool memset_between = pl.memset_between;
     if (memset_between) MOE_CUDA_CHECK(cudaMemsetAsync(out.data, 0, out.bytes(), stream));
 
     // The stream GEMM2 loads its first weights while GEMM1 drains (kernel_stream_gemm.cuh), so
@@ -429,16 +373,15 @@ class cuda_fused_policy {
     // Deterministic: combine sums the rows, launched as GEMM2's programmatic dependent when the
     // GEMMs are launched so (by default with the stream GEMMs).
     if (g2.store == kernels::down_store::partials)
-      gpu::combine_rows(g2.partials, dtype::f32, plan, row_weights, scale, out, false, stream, splits, dependent);
-    else if (store == kernels::down_store::rows)
+      gpu::combine_rows(g2.partials, dtype::f32, plan, row_weights, scale, out, false, stream, pl.down_k_splits,
+                        dependent);
+    else if (g2.store == kernels::down_store::rows)
       gpu::combine_rows(g2.c, d.hidden_states.type, plan, row_weights, scale, out, false, stream, 1, dependent);
   }
 
   MoeRunnerConfig cfg_;
-  gpu::gemm_tuning_choice tuning_ = gpu::gemm_tuning_choice::automatic;
   int raster_band_ = 0;
-  std::optional<bool> dependent_launch_;  // unset: by GEMM kind (see set_dependent_launch)
-  bool plan_in_gemms_ = true;
+  gpu::fused_settings settings_;
   gpu::stream_l2_use stream_l2_;
 };
 

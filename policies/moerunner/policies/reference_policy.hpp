@@ -1,5 +1,6 @@
 // The `reference` backend: the whole runner core on the host, in double.
 // It is the oracle for every other backend and the default where no GPU exists.
+// Each token's output is computed alone, in a fixed order: deterministic and batch-invariant.
 // It allocates host scratch internally (its workspace query is 0).
 #pragma once
 

@@ -1,0 +1,203 @@
+// The cuda_fused backend's run plan: every choice one run makes for (config, M, device) as one
+// value, computed in one place (make_fused_plan). The workspace query, the run, the tests and
+// an engine's logs (describe) all read it; nothing else repeats its rules. Host arithmetic
+// only: it builds with the host compiler and is tested without a GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "moerunner/core/config.hpp"
+#include "moerunner/gpu/grouped_gemm_tuning.hpp"
+#include "moerunner/gpu/routing_plan.hpp"
+
+namespace moerunner::gpu {
+
+// What the plan reads of a device. Made from the device by gpu::device_target_of
+// (sm90_grouped_gemm_wgmma.cuh), or written out to size a workspace for another device.
+struct device_target {
+  int code_arch = 0;       // virtual architecture of the kernel image the device runs (80, 90); 0: none
+  bool has_wgmma = false;  // that image is sm_90a code (the wgmma and TMA kernels exist there only)
+  int sm_count = 0;
+  friend constexpr bool operator==(const device_target&, const device_target&) = default;
+};
+
+// The kernels that run both GEMMs.
+enum class gemm_family : std::uint8_t {
+  mma,     // mma.sync tiles of 128 x 128 (sm80 or sm90 tuning)
+  wgmma,   // warp-specialized wgmma fed by TMA (sm_90a), tile by shape
+  stream,  // decode: mma.sync with the weight rows as M, warp-private copy rings
+};
+
+constexpr std::string_view gemm_family_name(gemm_family f) {
+  switch (f) {
+    case gemm_family::mma: return "mma";
+    case gemm_family::wgmma: return "wgmma";
+    case gemm_family::stream: return "stream";
+  }
+  return "?";
+}
+
+constexpr std::string_view sm90_tile_name(sm90_tile t) {
+  switch (t) {
+    case sm90_tile::stream: return "stream";
+    case sm90_tile::m64: return "m64";
+    case sm90_tile::m64n128: return "m64n128";
+    case sm90_tile::m128: return "m128";
+    case sm90_tile::m128x2: return "m128x2";
+  }
+  return "?";
+}
+
+constexpr std::string_view down_store_name(down_store d) {
+  switch (d) {
+    case down_store::rows: return "rows";
+    case down_store::slots: return "slots";
+    case down_store::accumulate: return "accumulate";
+    case down_store::partials: return "partials";
+  }
+  return "?";
+}
+
+// The policy's own settings (cuda_fused_policy's setters), as the plan reads them.
+struct fused_settings {
+  gemm_tuning_choice tuning = gemm_tuning_choice::automatic;
+  std::optional<bool> dependent_launch;  // unset: with the stream GEMMs only
+  bool plan_in_gemms = true;
+};
+
+// The workspace pieces, as byte offsets from the 256-byte aligned start; total includes the
+// slack that aligns the start.
+struct fused_workspace {
+  std::size_t plan = 0, plan_bytes = 0;
+  std::size_t schedule = 0, schedule_bytes = 0;
+  std::size_t act = 0, act_bytes = 0;
+  std::size_t rows = 0, rows_bytes = 0;  // GEMM2's rows or f32 K-split parts (combine reads them)
+  std::size_t total = 0;
+};
+
+struct fused_plan {
+  std::int64_t num_tokens = 0;
+  gemm_tuning_choice choice = gemm_tuning_choice::automatic;  // the tuning that runs (never automatic)
+  gemm_family family = gemm_family::mma;
+  sm90_tile tile = sm90_tile::m128;  // wgmma and stream families: the tile
+  int schedule_block_m = 0;          // rows of one tile of the M-tile schedule
+  int cluster_m = 1;                 // CTAs that run one work item together
+  int down_k_splits = 1;             // GEMM2's K ranges over CTAs
+  down_store down = down_store::accumulate;
+  bool combine_kernel = false;     // a combine kernel sums GEMM2's rows or parts per token afterwards
+  bool schedule_in_gemms = false;  // no plan kernel: each CTA orders the rows from topk_ids
+  bool dependent_launch = false;   // programmatic dependent launches between the kernels
+  bool clear_in_gemm1 = false;     // GEMM1 zeroes the output GEMM2 adds or scatters into
+  bool memset_between = false;     // inplace: a memset zeroes it after GEMM1 has read x
+  fused_workspace workspace;
+
+  // One line for an engine's log: what runs and the workspace it takes.
+  std::string describe() const {
+    std::string s = "cuda_fused M=" + std::to_string(num_tokens) + ": " + std::string(gemm_family_name(family));
+    if (family != gemm_family::mma) s += " " + std::string(sm90_tile_name(tile));
+    s += " (tuning " + std::string(gemm_tuning_name(choice)) + ", schedule tiles of " +
+         std::to_string(schedule_block_m) + " rows";
+    if (cluster_m > 1) s += ", clusters of " + std::to_string(cluster_m);
+    s += "), ";
+    s += schedule_in_gemms ? "schedule built in the GEMMs" : "plan kernel";
+    s += ", GEMM2 " + std::string(down_store_name(down));
+    if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
+    if (combine_kernel) s += " + combine kernel";
+    if (memset_between) s += ", output zeroed between the GEMMs";
+    s += dependent_launch ? ", dependent launches" : ", plain launches";
+    s += "; workspace " + std::to_string(workspace.total) + " B (act " + std::to_string(workspace.act_bytes) +
+         ", rows " + std::to_string(workspace.rows_bytes) + ", plan + schedule " +
+         std::to_string(workspace.plan_bytes + workspace.schedule_bytes) + ")";
+    return s;
+  }
+};
+
+namespace plan_detail {
+
+// Where GEMM2 puts its rows before any K split: its token's slot (no_combine), a rows buffer the
+// combine kernel sums in slot order (deterministic), or added into the output.
+inline down_store store_mode(const MoeRunnerConfig& cfg) {
+  if (cfg.no_combine()) return down_store::slots;
+  return cfg.deterministic() ? down_store::rows : down_store::accumulate;
+}
+
+inline fused_workspace layout(const MoeRunnerConfig& cfg, std::int64_t num_tokens, down_store down, int splits) {
+  const auto slots = static_cast<std::size_t>(num_tokens) * static_cast<std::size_t>(cfg.top_k());
+  const int e = cfg.num_local_experts();
+  fused_workspace w;
+  w.plan_bytes = plan_piece_bytes(routing_plan_bytes(num_tokens, cfg.top_k(), e));
+  w.schedule = w.plan + w.plan_bytes;
+  // Sized for the smallest tile, so that any tuning's schedule fits.
+  w.schedule_bytes = plan_piece_bytes(tile_schedule_bytes(static_cast<std::int64_t>(slots), e, moe_gemm_min_block_m));
+  w.act = w.schedule + w.schedule_bytes;
+  w.act_bytes = plan_piece_bytes(slots * static_cast<std::size_t>(cfg.intermediate_size()) * 2);
+  w.rows = w.act + w.act_bytes;
+  const std::size_t row_elems = slots * static_cast<std::size_t>(cfg.hidden_size());
+  if (down == down_store::rows) w.rows_bytes = plan_piece_bytes(row_elems * 2);
+  else if (down == down_store::partials) w.rows_bytes = plan_piece_bytes(static_cast<std::size_t>(splits) * row_elems * 4);
+  w.total = w.rows + w.rows_bytes + plan_piece_alignment;
+  return w;
+}
+
+}  // namespace plan_detail
+
+// The plan of one run over num_tokens tokens on `dev`. A forced tuning (settings.tuning) is
+// planned as asked; whether the device can run it is the run's check.
+inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settings& settings, std::int64_t num_tokens,
+                                  const device_target& dev) {
+  fused_plan p;
+  p.num_tokens = num_tokens;
+  p.choice = settings.tuning == gemm_tuning_choice::automatic
+                 ? select_gemm_tuning(dev.code_arch, dev.code_arch >= 90 && dev.has_wgmma)
+                 : settings.tuning;
+  const std::int64_t slots = num_tokens * cfg.top_k();
+  const bool invariant = cfg.batch_invariant();
+  if (p.choice == gemm_tuning_choice::stream) {
+    p.family = gemm_family::stream;
+    p.tile = sm90_tile::stream;
+  } else if (is_wgmma_choice(p.choice)) {
+    switch (p.choice) {
+      case gemm_tuning_choice::sm90_wgmma_m64: p.tile = sm90_tile::m64; break;
+      case gemm_tuning_choice::sm90_wgmma_m64n128: p.tile = sm90_tile::m64n128; break;
+      case gemm_tuning_choice::sm90_wgmma_m128: p.tile = sm90_tile::m128; break;
+      case gemm_tuning_choice::sm90_wgmma_m128x2: p.tile = sm90_tile::m128x2; break;
+      default:
+        // Batch-invariant: the wgmma tiles at every M (their K order is the same whatever the
+        // tile), never the stream GEMMs, whose warps split K.
+        p.tile = sm90_tile_for(slots, cfg.num_local_experts(), cfg.intermediate_size(), dev.sm_count, !invariant);
+    }
+    p.family = p.tile == sm90_tile::stream ? gemm_family::stream : gemm_family::wgmma;
+  } else {
+    p.family = gemm_family::mma;
+  }
+  if (p.family == gemm_family::mma) {
+    p.schedule_block_m = p.choice == gemm_tuning_choice::sm90 ? sm90_gemm_policy::tuning.schedule_block_m()
+                                                              : sm80_gemm_policy::tuning.schedule_block_m();
+  } else {
+    p.schedule_block_m = sm90_schedule_block_m(p.tile);
+    p.cluster_m = sm90_cluster_m(p.tile);
+  }
+
+  const down_store store = plan_detail::store_mode(cfg);
+  // GEMM2's K splits: wgmma only, only when it combines, never batch-invariant (the split count
+  // follows M), and only where its (M tile, N tile) items come in few waves (decode).
+  if (p.family == gemm_family::wgmma && !cfg.no_combine() && !invariant && num_tokens > 0) {
+    const std::int64_t tile_bound =
+        std::min(moe_m_tile_capacity(slots, cfg.num_local_experts(), p.schedule_block_m), slots);
+    p.down_k_splits = wgmma_down_k_splits(tile_bound, cfg.hidden_size(), cfg.intermediate_size(),
+                                          dev.sm_count / p.cluster_m, sm90_block_n(p.tile));
+  }
+  p.down = store == down_store::rows && p.down_k_splits > 1 ? down_store::partials : store;
+  p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;
+  p.schedule_in_gemms = p.family == gemm_family::stream && settings.plan_in_gemms && slots <= local_plan_max_slots;
+  p.dependent_launch = settings.dependent_launch.value_or(p.family == gemm_family::stream);
+  p.clear_in_gemm1 = !p.combine_kernel && !cfg.inplace();
+  p.memset_between = !p.combine_kernel && cfg.inplace();
+  p.workspace = plan_detail::layout(cfg, num_tokens, p.down, p.down_k_splits);
+  return p;
+}
+
+}  // namespace moerunner::gpu

@@ -1,0 +1,176 @@
+// The cuda_fused run plan (gpu::make_fused_plan): the one value the workspace query and the run
+// both read, checked on the host for the devices it plans for.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "moerunner/gpu/fused_plan.hpp"
+
+namespace g = moerunner::gpu;
+using moerunner::MoeRunnerConfig;
+using moerunner::moe_config_params;
+
+namespace {
+
+constexpr g::device_target h200{.code_arch = 90, .has_wgmma = true, .sm_count = 132};
+
+moe_config_params mixtral() { return {.num_experts = 8, .hidden_size = 4096, .intermediate_size = 14336, .top_k = 2}; }
+moe_config_params qwen3() { return {.num_experts = 128, .hidden_size = 2048, .intermediate_size = 768, .top_k = 8}; }
+
+g::fused_plan plan_of(moe_config_params p, std::int64_t m, g::device_target dev = h200, g::fused_settings s = {}) {
+  return g::make_fused_plan(MoeRunnerConfig(p), s, m, dev);
+}
+
+// The pieces follow each other, 256-byte aligned, and the total holds them and the start's slack.
+void check_layout(const g::fused_plan& p, const moe_config_params& c) {
+  const g::fused_workspace& w = p.workspace;
+  const auto slots = static_cast<std::size_t>(p.num_tokens) * static_cast<std::size_t>(c.top_k);
+  CHECK(w.plan == 0);
+  CHECK(w.schedule == w.plan + w.plan_bytes);
+  CHECK(w.act == w.schedule + w.schedule_bytes);
+  CHECK(w.rows == w.act + w.act_bytes);
+  CHECK(w.total == w.rows + w.rows_bytes + g::plan_piece_alignment);
+  for (std::size_t off : {w.schedule, w.act, w.rows}) CHECK(off % g::plan_piece_alignment == 0);
+  CHECK(w.act_bytes >= slots * static_cast<std::size_t>(c.intermediate_size) * 2);
+  const std::size_t row_elems = slots * static_cast<std::size_t>(c.hidden_size);
+  switch (p.down) {
+    case g::down_store::rows: CHECK(w.rows_bytes >= row_elems * 2); break;
+    case g::down_store::partials: CHECK(w.rows_bytes >= row_elems * 4 * static_cast<std::size_t>(p.down_k_splits)); break;
+    default: CHECK(w.rows_bytes == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("default runs: stream GEMMs with the schedule built in them at decode, 2-CTA wgmma tiles at prefill") {
+  const g::fused_plan one = plan_of(qwen3(), 1);
+  CHECK(one.choice == g::gemm_tuning_choice::sm90_wgmma);
+  CHECK(one.family == g::gemm_family::stream);
+  CHECK(one.schedule_in_gemms);  // 8 slots
+  CHECK(one.dependent_launch);
+  CHECK(one.down == g::down_store::accumulate);
+  CHECK(one.clear_in_gemm1);
+  CHECK_FALSE(one.combine_kernel);
+  CHECK_FALSE(one.memset_between);
+  check_layout(one, qwen3());
+
+  const g::fused_plan nine = plan_of(qwen3(), 9);  // 72 slots: past the in-GEMM schedule's tables
+  CHECK(nine.family == g::gemm_family::stream);
+  CHECK_FALSE(nine.schedule_in_gemms);
+
+  const g::fused_plan big = plan_of(mixtral(), 4096);
+  CHECK(big.family == g::gemm_family::wgmma);
+  CHECK(big.tile == g::sm90_tile::m128x2);
+  CHECK(big.cluster_m == 2);
+  CHECK(big.schedule_block_m == 256);
+  CHECK(big.down_k_splits == 1);
+  CHECK_FALSE(big.dependent_launch);
+  check_layout(big, mixtral());
+  const std::string line = big.describe();
+  CHECK(line.find("wgmma m128x2") != std::string::npos);
+  CHECK(line.find("M=4096") != std::string::npos);
+  CHECK(line.find(std::to_string(big.workspace.total)) != std::string::npos);
+}
+
+TEST_CASE("deterministic decode on the wgmma tiles splits GEMM2's K into f32 parts; batch-invariant never splits") {
+  moe_config_params det = mixtral();
+  det.deterministic = true;
+  // 64 tokens: 16 rows per expert, 64-row tiles, GEMM2's 160 items on 132 SMs.
+  const g::fused_plan p = plan_of(det, 64);
+  CHECK(p.tile == g::sm90_tile::m64);
+  CHECK(p.down_k_splits == 4);
+  CHECK(p.down == g::down_store::partials);
+  CHECK(p.combine_kernel);
+  CHECK_FALSE(p.clear_in_gemm1);
+  check_layout(p, det);
+  CHECK(p.describe().find("4 K splits") != std::string::npos);
+
+  moe_config_params inv = mixtral();
+  inv.batch_invariant = true;
+  CHECK(MoeRunnerConfig(inv).deterministic());  // implied
+  const g::fused_plan q = plan_of(inv, 64);
+  CHECK(q.tile == g::sm90_tile::m64);
+  CHECK(q.down_k_splits == 1);
+  CHECK(q.down == g::down_store::rows);
+  CHECK(q.combine_kernel);
+  check_layout(q, inv);
+}
+
+TEST_CASE("batch-invariant runs stay on the wgmma kernels at every M, with GEMM2 rows summed in slot order") {
+  for (const moe_config_params base : {mixtral(), qwen3()}) {
+    moe_config_params inv = base;
+    inv.batch_invariant = true;
+    for (std::int64_t m : {1, 2, 7, 8, 64, 512, 4096, 16384}) {
+      CAPTURE(m);
+      const g::fused_plan p = plan_of(inv, m);
+      CHECK(p.family == g::gemm_family::wgmma);
+      CHECK(p.tile != g::sm90_tile::stream);
+      CHECK(p.down_k_splits == 1);
+      CHECK(p.down == g::down_store::rows);
+      CHECK_FALSE(p.schedule_in_gemms);
+      // The default at the same M may take the stream GEMMs; it never changes the tile rule above.
+      const g::fused_plan d = plan_of(base, m);
+      if (d.family == g::gemm_family::wgmma) CHECK(d.tile == p.tile);
+    }
+  }
+  // no_combine stores each row to its slot: batch-invariant without a combine kernel.
+  moe_config_params nc = qwen3();
+  nc.batch_invariant = true;
+  nc.no_combine = true;
+  const g::fused_plan p = plan_of(nc, 64);
+  CHECK(p.down == g::down_store::slots);
+  CHECK_FALSE(p.combine_kernel);
+  CHECK(p.clear_in_gemm1);
+}
+
+TEST_CASE("the device decides the family: no device, sm_80 code, sm_90 code without wgmma") {
+  const g::fused_plan none = plan_of(qwen3(), 64, g::device_target{});
+  CHECK(none.choice == g::gemm_tuning_choice::sm80);
+  CHECK(none.family == g::gemm_family::mma);
+  CHECK(none.down_k_splits == 1);
+  CHECK(none.schedule_block_m == 128);
+  const g::fused_plan a100 = plan_of(qwen3(), 64, {.code_arch = 80, .has_wgmma = false, .sm_count = 108});
+  CHECK(a100.choice == g::gemm_tuning_choice::sm80);
+  const g::fused_plan sm90 = plan_of(qwen3(), 64, {.code_arch = 90, .has_wgmma = false, .sm_count = 132});
+  CHECK(sm90.choice == g::gemm_tuning_choice::sm90);
+  CHECK(sm90.family == g::gemm_family::mma);
+  // A forced tuning is planned as asked; the run checks the device can take it.
+  const g::fused_plan forced =
+      plan_of(qwen3(), 64, {.code_arch = 80, .sm_count = 108}, {.tuning = g::gemm_tuning_choice::stream, .dependent_launch = std::nullopt});
+  CHECK(forced.family == g::gemm_family::stream);
+  CHECK(forced.schedule_block_m == g::moe_gemm_min_block_m);
+  const g::fused_plan m128 =
+      plan_of(qwen3(), 1, h200, {.tuning = g::gemm_tuning_choice::sm90_wgmma_m128, .dependent_launch = std::nullopt});
+  CHECK(m128.family == g::gemm_family::wgmma);
+  CHECK(m128.tile == g::sm90_tile::m128);
+}
+
+TEST_CASE("the workspace follows the device: one sized for a MIG slice is too small on the whole GPU") {
+  moe_config_params det = mixtral();
+  det.deterministic = true;
+  const g::fused_plan full = plan_of(det, 64);
+  const g::fused_plan slice = plan_of(det, 64, {.code_arch = 90, .has_wgmma = true, .sm_count = 16});
+  CHECK(slice.down_k_splits == 1);  // 160 items fill 16 SMs: no split
+  CHECK(full.down_k_splits > 1);
+  CHECK(slice.workspace.total < full.workspace.total);
+  check_layout(slice, det);
+}
+
+TEST_CASE("settings: dependent launches and the in-GEMM schedule as set") {
+  const g::fused_plan p = plan_of(qwen3(), 1, h200, {.dependent_launch = false, .plan_in_gemms = false});
+  CHECK(p.family == g::gemm_family::stream);
+  CHECK_FALSE(p.dependent_launch);
+  CHECK_FALSE(p.schedule_in_gemms);
+  CHECK(p.describe().find("plan kernel") != std::string::npos);
+  moe_config_params inplace = qwen3();
+  inplace.inplace = true;
+  const g::fused_plan q = plan_of(inplace, 64);
+  CHECK(q.memset_between);
+  CHECK_FALSE(q.clear_in_gemm1);
+  CHECK(q.describe().find("zeroed between") != std::string::npos);
+  const g::fused_plan zero = plan_of(qwen3(), 0);
+  check_layout(zero, qwen3());
+}
