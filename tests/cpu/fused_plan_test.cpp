@@ -75,6 +75,22 @@ TEST_CASE("default runs: stream GEMMs with the schedule built in them at decode,
   CHECK(line.find(std::to_string(big.workspace.total)) != std::string::npos);
 }
 
+TEST_CASE("without deterministic, GEMM2 writes rows for the combine kernel where its K is short and slots many") {
+  // Qwen3-30B-A3B (I = 768): rows from 4096 slots; Mixtral-8x7B (I = 14336): always the reductions.
+  const g::fused_plan few = plan_of(qwen3(), 511);  // 4088 slots
+  CHECK(few.down == g::down_store::accumulate);
+  const g::fused_plan many = plan_of(qwen3(), 512);
+  CHECK(many.family == g::gemm_family::wgmma);
+  CHECK(many.down == g::down_store::rows);
+  CHECK(many.combine_kernel);
+  CHECK_FALSE(many.clear_in_gemm1);
+  check_layout(many, qwen3());
+  CHECK(plan_of(mixtral(), 16384).down == g::down_store::accumulate);
+  // Only the wgmma kernels were measured so: the mma.sync family keeps the reductions.
+  CHECK(plan_of(qwen3(), 512, {.code_arch = 80, .has_wgmma = false, .sm_count = 108}).down ==
+        g::down_store::accumulate);
+}
+
 TEST_CASE("deterministic decode on the wgmma tiles splits GEMM2's K into f32 parts; batch-invariant never splits") {
   moe_config_params det = mixtral();
   det.deterministic = true;

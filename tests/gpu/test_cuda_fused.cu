@@ -591,13 +591,14 @@ TEST_CASE("cuda_fused batch_invariant: a token's bits do not depend on the batch
 }
 
 TEST_CASE("cuda_fused workspace: the atomic mode needs no [M*k, H] rows") {
-  const mr::MoeRunnerConfig fast({.num_experts = 8, .hidden_size = 4096, .intermediate_size = 1024, .top_k = 2});
+  // I past gpu::plan_detail::rows_store_max_intermediate: the default keeps the reductions at every M.
+  const mr::MoeRunnerConfig fast({.num_experts = 8, .hidden_size = 4096, .intermediate_size = 2048, .top_k = 2});
   mr::moe_config_params det_params = fast.params();
   det_params.deterministic = true;
   const mr::MoeRunnerConfig det(det_params);
   for (std::int64_t m : {1, 64, 4096}) {
     const std::size_t slots = static_cast<std::size_t>(m) * 2;
-    const std::size_t act = slots * 1024 * 2, rows = slots * 4096 * 2;
+    const std::size_t act = slots * 2048 * 2, rows = slots * 4096 * 2;
     const std::size_t fast_bytes = mr::cuda_fused_policy(fast).workspace_bytes(m);
     const std::size_t det_bytes = mr::cuda_fused_policy(det).workspace_bytes(m);
     CAPTURE(m);

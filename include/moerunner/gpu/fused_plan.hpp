@@ -117,11 +117,22 @@ struct fused_plan {
 
 namespace plan_detail {
 
+// Without deterministic, the wgmma GEMM2 still writes rows for the combine kernel where its K
+// (I) is short and the slots many: there its epilogue's packed reductions into the output weigh
+// most against the main loop, and rows + combine measured faster (H200, bench/NOTES.md round 10:
+// Qwen3-30B-A3B, I = 768, 5-8% from 4096 slots; DeepSeek-V3, I = 2048, within 1-3% either way;
+// Mixtral-8x7B, I = 14336, the reductions 1-4% faster). It costs M*k*H*2 workspace bytes.
+inline constexpr int rows_store_max_intermediate = 1024;
+inline constexpr std::int64_t rows_store_min_slots = 4096;
+
 // Where GEMM2 puts its rows before any K split: its token's slot (no_combine), a rows buffer the
-// combine kernel sums in slot order (deterministic), or added into the output.
-inline down_store store_mode(const MoeRunnerConfig& cfg) {
+// combine kernel sums in slot order (deterministic, or where that pays), or added into the output.
+inline down_store store_mode(const MoeRunnerConfig& cfg, gemm_family family, std::int64_t slots) {
   if (cfg.no_combine()) return down_store::slots;
-  return cfg.deterministic() ? down_store::rows : down_store::accumulate;
+  if (cfg.deterministic()) return down_store::rows;
+  const bool rows_pay = family == gemm_family::wgmma && cfg.intermediate_size() <= rows_store_max_intermediate &&
+                        slots >= rows_store_min_slots;
+  return rows_pay ? down_store::rows : down_store::accumulate;
 }
 
 inline fused_workspace layout(const MoeRunnerConfig& cfg, std::int64_t num_tokens, down_store down, int splits) {
@@ -181,7 +192,7 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
     p.cluster_m = sm90_cluster_m(p.tile);
   }
 
-  const down_store store = plan_detail::store_mode(cfg);
+  const down_store store = plan_detail::store_mode(cfg, p.family, slots);
   // GEMM2's K splits: wgmma only, only when it combines, never batch-invariant (the split count
   // follows M), and only where its (M tile, N tile) items come in few waves (decode).
   if (p.family == gemm_family::wgmma && !cfg.no_combine() && !invariant && num_tokens > 0) {

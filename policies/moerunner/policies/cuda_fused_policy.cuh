@@ -12,7 +12,8 @@
 //      (unless applied on the input) and routed_scaling_factor (unless the weights carry it) and
 //        - default: adds it into its token's output row with packed atomics (GEMM1 zeroed the
 //          output; with inplace a memset does, after GEMM1 has read x). The order of the
-//          additions per token varies from run to run, so the last bit may too;
+//          additions per token varies from run to run, so the last bit may too; where GEMM2's
+//          K is short and the slots many, rows and combine as below (measured faster);
 //        - deterministic: writes rows [R, H], which combine_rows sums per token in slot order;
 //        - no_combine: writes each row to its [token, slot] place in the output (deterministic).
 //      At decode, where GEMM2's (M tile, N tile) items leave SMs idle, the wgmma GEMM2 also
