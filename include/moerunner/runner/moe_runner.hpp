@@ -88,9 +88,9 @@ class MoeRunner {
       } else {
         constexpr const char* where = "MoeRunner::run";
         detail::validate_dispatch(config_, d, out, P::tensor_space, where);
-        if constexpr (P::tensor_space == memory_space::host) detail::validate_host_ids(config_, d.topk.topk_ids, where);
         detail::validate_quant_info(config_, quant_info, P::tensor_space, where);
         detail::validate_workspace(core.workspace_bytes(d.num_tokens()), ws, where);
+        if constexpr (P::tensor_space == memory_space::host) detail::validate_host_ids(config_, d.topk.topk_ids, where);
         if (lora != nullptr) {
           if constexpr (LoraCapable<P>) {
             return core.run_from_dispatch(d, quant_info, out, ws, stream, *lora);
