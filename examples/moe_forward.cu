@@ -12,12 +12,16 @@
 // One source for both builds: nvcc compiles it as CUDA; a host-only build compiles a
 // copy as C++, which keeps the reference path only.
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
+#include <new>
 #include <optional>
+#include <system_error>
 #include <random>
 #include <string>
 #include <string_view>
@@ -65,21 +69,37 @@ struct options {
   std::exit(status);
 }
 
+// The whole of `text` as a decimal integer in [lo, hi]; anything else ends the program with
+// a message that names the option (atoi would read "abc" as 0 and "-3" as -3).
+std::int64_t parse_int(const char* option, const char* text, std::int64_t lo, std::int64_t hi) {
+  std::int64_t v = 0;
+  const std::string_view t = text;
+  const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+  if (t.empty() || ec != std::errc() || end != t.data() + t.size() || v < lo || v > hi) {
+    std::fprintf(stderr, "moe_forward: %s takes an integer in [%lld, %lld], got '%s'\n", option,
+                 static_cast<long long>(lo), static_cast<long long>(hi), mr::detail::echo(t).c_str());
+    std::exit(2);
+  }
+  return v;
+}
+
 options parse(int argc, char** argv) {
+  constexpr std::int64_t int_max = std::numeric_limits<int>::max();
   options o;
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
     if (a == "--help" || a == "-h") usage(argv[0], 0);
     if (i + 1 >= argc) usage(argv[0], 2);
     const char* v = argv[++i];
+    // Sizes the config itself bounds (experts, top-k, hidden, intermediate) are checked there.
     if (a == "--backend") o.backend = v;
-    else if (a == "--tokens") o.tokens = std::atoll(v);
-    else if (a == "--experts") o.experts = std::atoi(v);
-    else if (a == "--top-k") o.top_k = std::atoi(v);
-    else if (a == "--hidden") o.hidden = std::atoi(v);
-    else if (a == "--intermediate") o.intermediate = std::atoi(v);
-    else if (a == "--iters") o.iters = std::max(1, std::atoi(v));
-    else if (a == "--seed") o.seed = static_cast<unsigned>(std::atoi(v));
+    else if (a == "--tokens") o.tokens = parse_int(argv[i - 1], v, 0, int_max);
+    else if (a == "--experts") o.experts = static_cast<int>(parse_int(argv[i - 1], v, 1, int_max));
+    else if (a == "--top-k") o.top_k = static_cast<int>(parse_int(argv[i - 1], v, 1, int_max));
+    else if (a == "--hidden") o.hidden = static_cast<int>(parse_int(argv[i - 1], v, 1, int_max));
+    else if (a == "--intermediate") o.intermediate = static_cast<int>(parse_int(argv[i - 1], v, 1, int_max));
+    else if (a == "--iters") o.iters = static_cast<int>(parse_int(argv[i - 1], v, 1, int_max));
+    else if (a == "--seed") o.seed = static_cast<unsigned>(parse_int(argv[i - 1], v, 0, 0xffffffff));
     else usage(argv[0], 2);
   }
   return o;
@@ -324,6 +344,10 @@ int main(int argc, char** argv) {
     return std::isfinite(norm) ? 0 : 1;
   } catch (const mr::moe_error& err) {
     std::fprintf(stderr, "moe_forward: %s\n", err.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "moe_forward: not enough host memory for the layer's data (--tokens %lld)\n",
+                 static_cast<long long>(o.tokens));
     return 1;
   }
 }

@@ -173,7 +173,7 @@ if has_step build; then
   # Meson's boost finder reads boost_root from a machine file; the path must be absolute here.
   printf "[properties]\nboost_root = '%s'\n" "$deps" > "$deps/native.ini"
   setup_args=(--native-file "$deps/native.ini" "-Dboost_include=.deps/include" "-Dpkg_config_path=$deps/lib/pkgconfig" "-Dcmake_prefix_path=$deps"
-              "-Dgpu_archs=$archs" -Dbuildtype=release)
+              "-Dgpu_archs=$archs" -Dbuildtype=release -Dtests=enabled)
   # Meson does not always track the headers a CUDA object includes: when any header changed
   # since the last build here, drop the CUDA objects so they are compiled again.
   header_sum=$(find "$root/include" "$root/kernels" "$root/policies" "$root/tests" "$root/bench" -type f \

@@ -18,8 +18,12 @@ if ! "${sudo[@]}" apt-get install -y --no-install-recommends "${packages[@]}"; t
   "${sudo[@]}" apt-get install -y --no-install-recommends "${packages[@]}"
 fi
 
-if [[ ! -f build-example/build.ninja ]]; then
-  meson setup build-example -Dtests=disabled --buildtype=release
+# tests=auto defines the examples (and the tests only where doctest is installed); only the
+# example is built.
+if [[ -f build-example/build.ninja ]]; then
+  meson configure build-example -Dtests=auto
+else
+  meson setup build-example -Dtests=auto --buildtype=release
 fi
 ninja -C build-example examples/moe_forward
 exec ./build-example/examples/moe_forward "$@"

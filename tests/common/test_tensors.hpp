@@ -1,13 +1,16 @@
-// Host tensors for the CPU and GPU tests: owned storage with a contiguous view onto it, and
-// element stores rounded to the view's dtype.
+// Host tensors for the CPU and GPU tests: owned storage with a contiguous view onto it,
+// element stores rounded to the view's dtype, element loads as the library reads them, and
+// random fills.
 #pragma once
 
 #include <cstdint>
 #include <initializer_list>
+#include <random>
 #include <vector>
 
 #include "moerunner/core/host_float.hpp"
 #include "moerunner/core/tensor_view.hpp"
+#include "moerunner/reference/routing.hpp"
 
 namespace moerunner::test {
 
@@ -52,5 +55,17 @@ inline void set_element(const tensor_view& t, std::int64_t i, float v) {
     case dtype::i32: t.ptr<std::int32_t>()[i] = static_cast<std::int32_t>(v); break;
   }
 }
+
+// Element i as the library's host code reads it.
+inline float element(const tensor_view& t, std::int64_t i) { return reference::detail::load_as_float(t, i); }
+
+// Uniform random values in [lo, hi), rounded to the tensor's dtype.
+inline void fill_uniform(host_tensor& t, std::mt19937& rng, float lo, float hi) {
+  std::uniform_real_distribution<float> d(lo, hi);
+  for (std::int64_t i = 0; i < t.numel(); ++i) set_element(t.view, i, d(rng));
+}
+
+// Uniform random values in [-scale, scale).
+inline void fill_random(host_tensor& t, std::mt19937& rng, float scale = 1.0f) { fill_uniform(t, rng, -scale, scale); }
 
 }  // namespace moerunner::test

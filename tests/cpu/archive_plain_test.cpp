@@ -2,7 +2,6 @@
 // it is referenced, so the linker drops its only object and the registration vanishes
 // without any error. Link registration archives whole (Meson link_whole, CMake
 // $<LINK_LIBRARY:WHOLE_ARCHIVE,...>, or -Wl,--whole-archive).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include "moerunner/moerunner.hpp"

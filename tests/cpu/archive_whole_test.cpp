@@ -1,5 +1,4 @@
 // A registration in a static archive linked whole (Meson link_whole) is present at run time.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include "moerunner/moerunner.hpp"

@@ -1,6 +1,5 @@
 // A custom host backend registered by macro, chosen by name, run through the standard
 // dispatcher and combine; the runner reaches it with no virtual call.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cstring>

@@ -1,6 +1,5 @@
 // The GEMM tile selector and the tunings' schedule arithmetic: host-only constexpr code that
 // the workspace query and the run both rely on, so it is checked without a GPU.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cstdint>

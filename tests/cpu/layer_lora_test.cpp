@@ -1,7 +1,6 @@
 // The LoRA contract (nothing LoRA-related is read when LoRA is off; hooks only for
 // LoRA-capable policies, carrying the base layer's resolved backend) and the FusedMoE
 // layer (explicit quant method, the "no runner" state, quant methods chosen by name).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cstdint>

@@ -2,7 +2,6 @@
 // row order and M tiles in shared memory, run here slot by slot as the GPU's threads run it,
 // against a stable sort of the slots by expert on random ids (left-out and out-of-range ones
 // included), for every slot count the GEMMs take.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>

@@ -2,7 +2,6 @@
 // (DESIGN.md §1, quant/quant_info.hpp), on fresh random inputs of many shapes.
 // Nothing of the reference's own helpers is used: weights and activations are decoded,
 // activated and fp8-quantized by this file's code.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>

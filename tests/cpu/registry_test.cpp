@@ -1,6 +1,5 @@
 // Backend names, ids, predicates and every registry rule, on caller-owned registries
 // so that no test depends on another's registrations.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <set>
@@ -308,6 +307,30 @@ TEST_CASE("an unknown name is an error that lists every known name") {
   // A 64-character name whose first 63 characters are registered is still unknown.
   reg.add<echo_policy<name63>>({"u.cpp", 4}, mr::registration_kind::new_backend);
   CHECK_THROWS_AS(reg.resolve(name64), mr::registry_error);
+}
+
+TEST_CASE("an error quotes at most 80 characters of a name it was given, and says how long it was") {
+  mr::backend_registry reg;
+  const std::string huge(std::size_t{1} << 20, 'x');
+  const std::string shown(mr::max_echoed_chars, 'x');
+  CHECK_THROWS_WITH_AS(reg.resolve(huge),
+                       ("unknown MoE runner backend '" + shown +
+                        "... (1048576 characters)': neither built in nor registered; known backends: " +
+                        builtins_list() + " (a backend name must be at most 63 characters)")
+                           .c_str(),
+                       mr::registry_error);
+  // Bytes are escaped before the cut, which counts characters of the name, not of the escapes.
+  const std::string nuls(200, '\0');
+  std::string escaped;
+  for (std::size_t i = 0; i < mr::max_echoed_chars; ++i) escaped += "\\x00";
+  CHECK(mr::detail::echo(nuls) == escaped + "... (200 characters)");
+  // Up to the bound nothing is cut or added.
+  CHECK(mr::detail::echo(shown) == shown);
+  CHECK(mr::detail::echo(shown + "y") == shown + "... (81 characters)");
+  CHECK(mr::detail::echo("") == "");
+  // The quant-method mismatch quotes its names the same way.
+  CHECK(mr::no_quant_info_message(huge, "reference") ==
+        "quant method '" + shown + "... (1048576 characters)' does not expose quant info for backend 'reference'");
 }
 
 TEST_CASE("replacing a built-in works before a runner resolved it and is an error after") {

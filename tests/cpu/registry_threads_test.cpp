@@ -1,6 +1,5 @@
 // Registration and resolution from many threads at once into one registry. Built
 // separately so that CI can also run it under ThreadSanitizer.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <array>

@@ -1,6 +1,5 @@
 // Replacing a built-in on purpose: MOE_REPLACE_BUILTIN_BACKEND in this translation unit
 // makes "reference" mean the policy below for every runner that lists it.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <random>

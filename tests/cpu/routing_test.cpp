@@ -1,6 +1,5 @@
 // Routing invariants of reference::topk, checked against scores computed here in double,
 // and the host exp the routing arithmetic is built on.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>

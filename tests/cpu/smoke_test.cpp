@@ -1,4 +1,3 @@
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 #include "moerunner/moerunner.hpp"
 TEST_CASE("smoke") {

@@ -1,7 +1,6 @@
 // A registration that fails during static initialization (here: two policy types under
 // one name) must not throw out of a static initializer; the error is kept and every
 // later resolve re-raises it, with both sites.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <string>

@@ -1,5 +1,5 @@
 // Helpers shared by the CPU tests: sentinel checks, independent float decoders and small
-// host policies whose names are template arguments (host tensors: tests/common).
+// host policies whose names are template arguments (host tensors and random fills: tests/common).
 #pragma once
 
 #include <cmath>
@@ -35,6 +35,7 @@ struct fixed_string {
   constexpr std::string_view view() const { return {chars, size}; }
 };
 
+using test::fill_uniform;
 using test::host_tensor;
 using test::set_element;
 
@@ -87,11 +88,6 @@ inline double decode(const tensor_view& t, std::int64_t i) {
     case dtype::i32: return t.ptr<const std::int32_t>()[i];
   }
   return NAN;
-}
-
-inline void fill_uniform(host_tensor& t, std::mt19937& rng, float lo, float hi) {
-  std::uniform_real_distribution<float> d(lo, hi);
-  for (std::int64_t i = 0; i < t.numel(); ++i) set_element(t.view, i, d(rng));
 }
 
 inline cuda::stream_ref host_stream() { return cuda::stream_ref{}; }

@@ -1,6 +1,5 @@
 // The two-TU test: two translation units each register a backend by macro and both
 // include a header that registers a third; main sees exactly those three records.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>

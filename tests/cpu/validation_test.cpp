@@ -1,6 +1,5 @@
 // Every validated field rejected with its message, and nothing written on a rejected call:
 // outputs (and, for inplace, the input) are filled with a sentinel first and compared after.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -47,15 +46,20 @@ TEST_CASE("MoeRunnerConfig rejects each invalid field with its message") {
 
   p = valid_params;
   p.hidden_size = 0;
-  expect_config_error(p, "hidden_size must be positive, got 0");
+  expect_config_error(p, "hidden_size must be in [1, 1048576], got 0");
   p.hidden_size = -8;
-  expect_config_error(p, "hidden_size must be positive, got -8");
+  expect_config_error(p, "hidden_size must be in [1, 1048576], got -8");
+  p.hidden_size = (1 << 20) + 1;
+  expect_config_error(p, "hidden_size must be in [1, 1048576], got 1048577");
 
   p = valid_params;
   p.intermediate_size = 0;
-  expect_config_error(p, "intermediate_size must be positive, got 0");
+  expect_config_error(p, "intermediate_size must be in [1, 1048576], got 0");
   p.intermediate_size = -3;
-  expect_config_error(p, "intermediate_size must be positive, got -3");
+  expect_config_error(p, "intermediate_size must be in [1, 1048576], got -3");
+  // 2I rows would overflow int.
+  p.intermediate_size = 1 << 30;
+  expect_config_error(p, "intermediate_size must be in [1, 1048576], got 1073741824");
 
   p = valid_params;
   p.top_k = 0;
@@ -82,6 +86,13 @@ TEST_CASE("MoeRunnerConfig rejects each invalid field with its message") {
     expect_config_error(p, "swiglu_clamped alpha must be finite and positive");
     p.act = {mr::activation_kind::swiglu_clamped, 1.702f, a};
     expect_config_error(p, "swiglu_clamped limit must be finite and positive");
+  }
+
+  // An enum value made by a cast would otherwise run as no activation at all (zeros).
+  for (int kind : {3, 255}) {
+    p = valid_params;
+    p.act.kind = static_cast<mr::activation_kind>(kind);
+    expect_config_error(p, "act.kind must be silu, gelu or swiglu_clamped, got the value " + std::to_string(kind));
   }
 
   p = valid_params;
@@ -118,11 +129,76 @@ TEST_CASE("MoeRunnerConfig accepts the boundaries and fills in the defaults") {
   p.apply_router_weight_on_input = true;
   p.routed_scaling_factor = 1e-30f;
   CHECK_NOTHROW(config_of(p));
+  p = valid_params;
+  p.hidden_size = p.intermediate_size = mr::max_feature_size;
+  CHECK(config_of(p).w13_rows() == 2 * mr::max_feature_size);
+}
+
+TEST_CASE("every limit error quotes the limit of core/limits.hpp") {
+  auto p = valid_params;
+  p.num_experts = mr::max_num_experts + 1;
+  p.top_k = 1;
+  expect_config_error(p, "num_experts must be in [1, " + std::to_string(mr::max_num_experts) + "], got " +
+                             std::to_string(mr::max_num_experts + 1));
+  p = valid_params;
+  p.num_experts = 2 * mr::max_top_k;
+  p.top_k = mr::max_top_k + 1;
+  expect_config_error(p, "top_k must be in [1, min(num_experts, " + std::to_string(mr::max_top_k) + ")], got " +
+                             std::to_string(mr::max_top_k + 1));
+  p = valid_params;
+  p.hidden_size = mr::max_feature_size + 1;
+  expect_config_error(p, "hidden_size must be in [1, " + std::to_string(mr::max_feature_size) + "], got " +
+                             std::to_string(mr::max_feature_size + 1));
+  // Routing's own (narrower) limits, read by reference::topk and gpu::topk alike.
+  static_assert(mr::routing::max_routing_top_k <= mr::max_top_k);
+  static_assert(mr::routing::max_routing_experts <= mr::max_num_experts);
+  static_assert(mr::max_gpu_local_experts <= mr::max_num_experts);
+  const int e = mr::routing::max_routing_experts + 1;
+  std::vector<float> logits(static_cast<std::size_t>(e)), w(1);
+  std::vector<std::int32_t> ids(1);
+  const auto host = mr::memory_space::host;
+  mr::TopKOutput out{mr::tensor_view::contiguous(w.data(), mr::dtype::f32, {1, 1}, host),
+                     mr::tensor_view::contiguous(ids.data(), mr::dtype::i32, {1, 1}, host)};
+  CHECK_THROWS_WITH_AS(mr::reference::topk(mr::tensor_view::contiguous(logits.data(), mr::dtype::f32, {1, e}, host), nullptr,
+                                           {.top_k = 1}, out),
+                       ("reference::topk: routing supports at most " + std::to_string(mr::routing::max_routing_experts) +
+                        " experts, got " + std::to_string(e))
+                           .c_str(),
+                       mr::invalid_argument_error);
 }
 
 TEST_CASE("tensor_view refuses a rank above 4") {
   CHECK_THROWS_WITH_AS(mr::tensor_view::contiguous(nullptr, mr::dtype::f32, {1, 2, 3, 4, 5}, mr::memory_space::host),
-                       "tensor_view: rank above 4", mr::invalid_argument_error);
+                       "tensor_view::contiguous: rank above 4", mr::invalid_argument_error);
+}
+
+TEST_CASE("tensor_view::contiguous refuses negative dimensions and sizes int64 cannot count") {
+  const auto host = mr::memory_space::host;
+  const auto contiguous_error = [&](std::initializer_list<std::int64_t> dims, mr::dtype t, const std::string& what) {
+    CAPTURE(what);
+    CHECK_THROWS_WITH_AS(mr::tensor_view::contiguous(nullptr, t, dims, host), ("tensor_view::contiguous: " + what).c_str(),
+                         mr::invalid_argument_error);
+  };
+  contiguous_error({-1, 8}, mr::dtype::f32, "a tensor of shape [-1, 8] dimension 0 is negative (-1)");
+  contiguous_error({4, 2, -3}, mr::dtype::bf16, "a tensor of shape [4, 2, -3] dimension 2 is negative (-3)");
+  contiguous_error({std::int64_t{1} << 32, std::int64_t{1} << 32}, mr::dtype::f32,
+                   "a tensor of shape [4294967296, 4294967296] spans more bytes than int64 can count");
+  // 2^61 f32 elements: the element count fits, the byte count does not.
+  contiguous_error({std::int64_t{1} << 61}, mr::dtype::f32,
+                   "a tensor of shape [2305843009213693952] spans more bytes than int64 can count");
+  // An empty tensor still has strides: they must be exact too.
+  contiguous_error({0, std::int64_t{1} << 40, std::int64_t{1} << 40}, mr::dtype::f32,
+                   "a tensor of shape [0, 1099511627776, 1099511627776] spans more bytes than int64 can count");
+  contiguous_error({2}, static_cast<mr::dtype>(9), "a tensor of shape [2] has an unknown dtype (value 9)");
+  CHECK_THROWS_WITH_AS(mr::tensor_view::contiguous(nullptr, mr::dtype::f32, {2}, static_cast<mr::memory_space>(5)),
+                       "tensor_view::contiguous: a tensor of shape [2] has an unknown memory space (value 5)",
+                       mr::invalid_argument_error);
+  // The largest representable sizes are fine.
+  const auto big = mr::tensor_view::contiguous(nullptr, mr::dtype::f8_e4m3, {std::int64_t{1} << 31, std::int64_t{1} << 31}, host);
+  CHECK(big.strides[0] == std::int64_t{1} << 31);
+  CHECK(big.bytes() == std::size_t{1} << 62);
+  // What an engine catches: a moe_error, never a std::length_error from deeper down.
+  CHECK_THROWS_AS(mr::tensor_view::contiguous(nullptr, mr::dtype::bf16, {-1, 4096}, host), mr::moe_error);
 }
 
 // ---- reference::topk -------------------------------------------------------------------
@@ -235,6 +311,8 @@ TEST_CASE("reference::topk rejects each invalid setting with its message and wri
   expect_topk_error([](tv&, tv*&, cfg_t& c, out_t&) { c.topk_group = 1; }, "topk_group is set but num_expert_group is 0");
   expect_topk_error([](tv&, tv*&, cfg_t& c, out_t&) { c.num_expert_group = -2; },
                     "num_expert_group must be at least 0 (0: no grouping), got -2");
+  expect_topk_error([](tv&, tv*&, cfg_t& c, out_t&) { c.scoring = static_cast<mr::scoring_func>(2); },
+                    "scoring must be softmax or sigmoid, got the value 2");
 
   // router_logits.
   expect_topk_error(
@@ -248,6 +326,12 @@ TEST_CASE("reference::topk rejects each invalid setting with its message and wri
                     "router_logits must live in host memory, got device");
   expect_topk_error([](tv& l, tv*&, cfg_t&, out_t&) { l.strides = {1, 3}; }, "router_logits must be contiguous (row-major)");
   expect_topk_error([](tv& l, tv*&, cfg_t&, out_t&) { l.data = nullptr; }, "router_logits has a null data pointer");
+  expect_topk_error([](tv& l, tv*&, cfg_t&, out_t&) { l.shape[0] = -1; },
+                    "router_logits dimension 0 is negative (-1), got shape [-1, 8]");
+  expect_topk_error([](tv& l, tv*&, cfg_t&, out_t&) { l.data = static_cast<char*>(l.data) + 2; },
+                    "router_logits must be 4-byte aligned (its f32 elements are read in place)");
+  expect_topk_error([](tv&, tv*&, cfg_t&, out_t& o) { o.topk_ids.data = static_cast<char*>(o.topk_ids.data) + 1; },
+                    "topk_ids must be 4-byte aligned (its i32 elements are read in place)");
   expect_topk_error([](tv& l, tv*&, cfg_t&, out_t&) { l.type = mr::dtype::i32; },
                     "router_logits must be f32, f16 or bf16, got i32");
   expect_topk_error([](tv& l, tv*&, cfg_t&, out_t&) { l.type = mr::dtype::f8_e4m3; },
@@ -426,6 +510,54 @@ TEST_CASE("run rejects bad hidden states") {
         c.d.hidden_states.strides = {7, 1};
       },
       "hidden_states dimension 1 must be 8, got shape [3, 7]");
+}
+
+TEST_CASE("run rejects views that cannot describe memory: negative, overflowing, unknown") {
+  expect_ref_error([](rf&, rc& c) { c.d.hidden_states.shape[0] = -1; },
+                   "hidden_states dimension 0 is negative (-1), got shape [-1, 8]");
+  expect_ref_error([](rf&, rc& c) { c.d.topk.topk_ids.shape[1] = -2; },
+                   "topk_ids dimension 1 is negative (-2), got shape [3, -2]");
+  expect_ref_error([](rf&, rc& c) { c.out.shape[0] = std::int64_t{1} << 62; },
+                   "output spans more bytes than int64 can count, got shape [4611686018427387904, 8]");
+  expect_ref_error([](rf&, rc& c) { c.q.w13.type = static_cast<mr::dtype>(9); },
+                   "w13 has an unknown dtype (value 9), got shape [4, 8, 8]");
+  expect_ref_error([](rf&, rc& c) { c.q.w2.space = static_cast<mr::memory_space>(3); },
+                   "w2 has an unknown memory space (value 3), got shape [4, 8, 4]");
+  // A rank outside [0, 4] is reported without reading past the shape array.
+  expect_ref_error([](rf&, rc& c) { c.d.hidden_states.rank = 7; }, "hidden_states has rank 7, outside [0, 4], got shape (rank 7)");
+  expect_ref_error([](rf&, rc& c) { c.d.topk.topk_weights.rank = -1; },
+                   "topk_weights has rank -1, outside [0, 4], got shape (rank -1)");
+}
+
+TEST_CASE("run rejects host tensors that are not aligned to their element type") {
+  const auto shifted = [](mr::tensor_view& t, int bytes) { t.data = static_cast<char*>(t.data) + bytes; };
+  expect_ref_error([&](rf&, rc& c) { shifted(c.d.hidden_states, 1); },
+                   "hidden_states must be 4-byte aligned (its f32 elements are read in place)");
+  expect_ref_error([&](rf&, rc& c) { shifted(c.d.topk.topk_weights, 2); },
+                   "topk_weights must be 4-byte aligned (its f32 elements are read in place)");
+  expect_ref_error([&](rf&, rc& c) { shifted(c.d.topk.topk_ids, 3); },
+                   "topk_ids must be 4-byte aligned (its i32 elements are read in place)");
+  expect_ref_error([&](rf&, rc& c) { shifted(c.q.w13, 1); }, "w13 must be 4-byte aligned (its f32 elements are read in place)");
+  expect_ref_error([&](rf&, rc& c) { shifted(c.out, 2); }, "output must be 4-byte aligned (its f32 elements are read in place)");
+  expect_ref_error(
+      [&](rf& f, rc& c) {
+        c.out = f.out_bf16.view;
+        c.d.hidden_states.type = c.q.w13.type = c.q.w2.type = mr::dtype::bf16;
+        shifted(c.q.w2, 1);
+      },
+      "w2 must be 2-byte aligned (its bf16 elements are read in place)");
+  expect_ref_error(
+      [&](rf&, rc& c) {
+        c.fp8 = true;
+        shifted(c.q8.w2_scale, 2);
+      },
+      "w2_scale must be 4-byte aligned (its f32 elements are read in place)");
+  // fp8 elements are single bytes: any address will do (host_tensor leaves slack past the end).
+  run_fixture f;
+  run_call c = valid_call(f);
+  shifted(c.q8.w13, 1);
+  mr::MoeRunner<mr::reference_policy> r("reference", mr::MoeRunnerConfig(run_params));
+  CHECK_NOTHROW(r.run(c.d, c.q8, c.out, c.ws, mr::cpu_test::host_stream()));
 }
 
 TEST_CASE("run rejects bad routing tensors") {
@@ -647,10 +779,10 @@ TEST_CASE("run rejects a workspace that is too small or missing") {
   CHECK(needs_workspace::stats().last_workspace == f.ws.data());
 }
 
-TEST_CASE("the reference rejects out-of-range expert ids before writing") {
+TEST_CASE("run rejects out-of-range expert ids of a host backend before writing") {
   const auto ids_error = [](int slot, int id, const std::string& what, mr::moe_config_params params = run_params) {
     expect_run_error<mr::invalid_argument_error, mr::reference_policy>(
-        "reference", params, [=](rf& f, rc&) { f.ids.ptr<std::int32_t>()[slot] = id; }, "reference_policy: " + what);
+        "reference", params, [=](rf& f, rc&) { f.ids.ptr<std::int32_t>()[slot] = id; }, "MoeRunner::run: " + what);
   };
   ids_error(2, 4, "topk_ids[1, 0] = 4 is outside [-1, num_local_experts=4)");
   ids_error(5, -2, "topk_ids[2, 1] = -2 is outside [-1, num_local_experts=4)");
@@ -665,13 +797,79 @@ TEST_CASE("the reference rejects out-of-range expert ids before writing") {
         for (int i = 0; i < 6; ++i) f.ids.ptr<std::int32_t>()[i] = i % 2;
         f.ids.ptr<std::int32_t>()[3] = 2;
       },
-      "reference_policy: topk_ids[1, 1] = 2 is outside [-1, num_local_experts=2)");
+      "MoeRunner::run: topk_ids[1, 1] = 2 is outside [-1, num_local_experts=2)");
   // The same ids are fine once in range, -1 included.
   run_fixture f;
   run_call c = valid_call(f);
   f.ids.ptr<std::int32_t>()[2] = -1;
   mr::MoeRunner<mr::reference_policy> r("reference", mr::MoeRunnerConfig(run_params));
   CHECK_NOTHROW(r.run(c.d, c.q, c.out, c.ws, mr::cpu_test::host_stream()));
+  // The reference policy checks again when it is run without a runner.
+  f.ids.ptr<std::int32_t>()[5] = 7;
+  const mr::reference_policy direct{mr::MoeRunnerConfig(run_params)};
+  CHECK_THROWS_WITH_AS(direct.run_from_dispatch(c.d, c.q, c.out, c.ws, mr::cpu_test::host_stream()),
+                       "reference_policy: topk_ids[2, 1] = 7 is outside [-1, num_local_experts=4)",
+                       mr::invalid_argument_error);
+}
+
+namespace {
+
+// A host backend written from the README alone: it indexes a per-expert table by id with no
+// check of its own, and records every id it is handed.
+class table_policy {
+ public:
+  static constexpr std::string_view name = "table_policy";
+  static constexpr mr::memory_space tensor_space = mr::memory_space::host;
+  using quant_infos = mr::quant_info_list<mr::unquantized_quant_info>;
+
+  static std::vector<std::int32_t>& seen() {
+    static std::vector<std::int32_t> ids;
+    return ids;
+  }
+
+  explicit table_policy(const mr::MoeRunnerConfig& cfg) : table_(static_cast<std::size_t>(cfg.num_local_experts()), 1.0f) {}
+  std::size_t workspace_bytes(std::int64_t) const { return 0; }
+  mr::CombineInput run_from_dispatch(const mr::DispatchOutput& d, const mr::unquantized_quant_info&,
+                                     const mr::tensor_view& out, mr::workspace_view, cuda::stream_ref) {
+    const auto* ids = d.topk.topk_ids.ptr<const std::int32_t>();
+    float sum = 0.0f;
+    for (std::int64_t i = 0; i < d.topk.topk_ids.numel(); ++i) {
+      seen().push_back(ids[i]);
+      if (ids[i] >= 0) sum += table_.data()[ids[i]];  // out of bounds for a bad id
+    }
+    for (std::int64_t i = 0; i < out.numel(); ++i) out.ptr<float>()[i] = sum;
+    return {out, true};
+  }
+
+ private:
+  std::vector<float> table_;
+};
+static_assert(mr::explain_dispatch_runner_core<table_policy>());
+
+}  // namespace
+
+TEST_CASE("a custom host backend never sees an out-of-range id") {
+  mr::backend_registry registry;
+  registry.add<table_policy>({__FILE__, __LINE__}, mr::registration_kind::new_backend);
+  mr::MoeRunner<table_policy> runner("table_policy", mr::MoeRunnerConfig(run_params), registry);
+  run_fixture f;
+  run_call c = valid_call(f);
+  for (const std::int32_t bad : {1000, 4, -2, std::numeric_limits<std::int32_t>::min()}) {
+    CAPTURE(bad);
+    table_policy::seen().clear();
+    f.ids.ptr<std::int32_t>()[3] = bad;
+    CHECK_THROWS_WITH_AS(runner.run(c.d, c.q, c.out, c.ws, mr::cpu_test::host_stream()),
+                         ("MoeRunner::run: topk_ids[1, 1] = " + std::to_string(bad) +
+                          " is outside [-1, num_local_experts=4)")
+                             .c_str(),
+                         mr::invalid_argument_error);
+    CHECK(table_policy::seen().empty());
+  }
+  // In range (and -1), the policy runs and sees exactly the ids it was given.
+  f.ids.ptr<std::int32_t>()[3] = -1;
+  CHECK_NOTHROW(runner.run(c.d, c.q, c.out, c.ws, mr::cpu_test::host_stream()));
+  REQUIRE(table_policy::seen().size() == 6);
+  for (std::int32_t id : table_policy::seen()) CHECK((id >= -1 && id < 4));
 }
 
 TEST_CASE("run refuses quant info the chosen backend does not consume, and LoRA hooks it cannot use") {

@@ -1,4 +1,5 @@
-// Shared helpers for the GPU tests: skip without a GPU, device buffers, random data.
+// Shared helpers for the GPU tests: skip without a GPU, device buffers, the error measure
+// (host tensors, element loads and random fills: tests/common).
 #pragma once
 
 #include <cstdint>
@@ -80,14 +81,6 @@ struct device_tensor {
     if (view.bytes()) MOE_CUDA_CHECK(cudaMemcpy(h.view.data, buf.get(), view.bytes(), cudaMemcpyDeviceToHost));
   }
 };
-
-inline float element(const tensor_view& t, std::int64_t i) { return reference::detail::load_as_float(t, i); }
-
-// Uniform random values in [-scale, scale), rounded to the tensor's dtype; never all zeros.
-inline void fill_random(host_tensor& t, std::mt19937& rng, float scale = 1.0f) {
-  std::uniform_real_distribution<float> d(-scale, scale);
-  for (std::int64_t i = 0; i < t.numel(); ++i) set_element(t.view, i, d(rng));
-}
 
 // ||a - b|| / ||b|| over all elements; NaN anywhere in a (or a mismatch in NaN-ness) gives +inf.
 inline double rel_error(const tensor_view& a, const tensor_view& b) {

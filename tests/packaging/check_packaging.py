@@ -20,6 +20,8 @@ import subprocess
 import sys
 
 SKIP = 77
+# The one program the pkg-config, CMake and subproject checks build.
+CONSUMER_SOURCE = os.path.join("tests", "common", "package_consumer.cpp")
 
 
 def run(cmd, **kw):
@@ -93,8 +95,8 @@ def mode_install(opts, work):
         if any(d in flag for d in in_tree):
             raise SystemExit("pkg-config flags point into the source tree: " + flag)
     exe = os.path.join(work, "pkgconfig_consumer")
-    src = os.path.join(opts.source_root, "tests", "packaging", "pkgconfig_consumer.cpp")
-    run([*opts.cxx, "-std=c++20", *cflags, src, "-o", exe, *libs])
+    src = os.path.join(opts.source_root, CONSUMER_SOURCE)
+    run([*opts.cxx, "-std=c++20", '-DMOERUNNER_CONSUMER="pkg-config"', *cflags, src, "-o", exe, *libs])
     run([exe])
     return 0
 
@@ -116,8 +118,12 @@ def mode_cmake(opts, work):
 
 
 def mode_subproject(opts, work):
-    src = os.path.join(work, "src")
+    # The project is copied with the shared program at the same relative place, and gets
+    # moerunner as subprojects/moerunner (a link to this tree).
+    src = os.path.join(work, "tests", "subproject_consumer")
     shutil.copytree(os.path.join(opts.source_root, "tests", "subproject_consumer"), src)
+    os.makedirs(os.path.join(work, "tests", "common"))
+    shutil.copy(os.path.join(opts.source_root, CONSUMER_SOURCE), os.path.join(work, CONSUMER_SOURCE))
     os.makedirs(os.path.join(src, "subprojects"))
     os.symlink(opts.source_root, os.path.join(src, "subprojects", "moerunner"))
     build = os.path.join(work, "build")

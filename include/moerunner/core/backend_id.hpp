@@ -8,10 +8,12 @@
 #include <string_view>
 
 #include "moerunner/core/builtin_backends.hpp"
+#include "moerunner/core/limits.hpp"
 
 namespace moerunner {
 
-inline constexpr std::size_t max_backend_name_length = 63;
+// Messages here and in MOE_REGISTER_BACKEND's static_assert are literals (compile-time text).
+static_assert(max_backend_name_length == 63, "the backend name messages quote the limit: update them with it");
 
 // Returns an empty view when `name` is acceptable, else why not. constexpr so that the
 // registration macro rejects a malformed Policy::name at compile time.

@@ -70,6 +70,14 @@ concept has_run_from_dispatch = has_quant_infos<P> && runs_with_all<P, typename 
 
 }  // namespace concept_parts
 
+// What run_from_dispatch receives from MoeRunner::run: every tensor checked for shape, dtype,
+// layout and memory space (host tensors also aligned to their element type), and expert ids:
+//  - tensor_space == host: every id of topk_ids checked on the host, in [-1, num_local_experts);
+//    -1 is a filtered slot that contributes nothing.
+//  - tensor_space == device: ids NOT checked (reading them would need a sync). The policy must
+//    treat an id outside [-1, num_local_experts) as -1 and never use it as an index, as every
+//    built-in does (cuda_fused also raises the routing plan's error flag; cublas_grouped,
+//    which waits for its routing anyway, rejects it with invalid_argument_error).
 template <class P>
 concept DispatchRunnerCore =
     concept_parts::has_name<P> && concept_parts::has_tensor_space<P> && concept_parts::config_constructible<P> &&

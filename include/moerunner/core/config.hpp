@@ -8,18 +8,20 @@
 #include <string_view>
 
 #include "moerunner/core/error.hpp"
+#include "moerunner/core/limits.hpp"
 
 namespace moerunner {
 
 enum class activation_kind : std::uint8_t { silu, gelu, swiglu_clamped };
 
+// Empty for a value outside the enumerators (made by a cast), which validation rejects.
 constexpr std::string_view activation_name(activation_kind k) {
   switch (k) {
     case activation_kind::silu: return "silu";
     case activation_kind::gelu: return "gelu";
     case activation_kind::swiglu_clamped: return "swiglu_clamped";
   }
-  return "?";
+  return {};
 }
 
 // The gated activation applied between the two GEMMs. For swiglu_clamped (gpt-oss):
@@ -51,9 +53,6 @@ struct moe_config_params {
   // kernel family and K order for every M, no K split that depends on M, combine in slot order.
   bool batch_invariant = false;
 };
-
-inline constexpr int max_top_k = 32;
-inline constexpr int max_num_experts = 4096;
 
 class MoeRunnerConfig {
  public:
@@ -90,14 +89,20 @@ class MoeRunnerConfig {
     MOE_EXPECT(in_range(p_.num_local_experts, 1, p_.num_experts), where,
                "num_local_experts must be in [1, num_experts=" + std::to_string(p_.num_experts) + "], got " +
                    std::to_string(p_.num_local_experts));
-    MOE_EXPECT(p_.hidden_size > 0, where, "hidden_size must be positive, got " + std::to_string(p_.hidden_size));
-    MOE_EXPECT(p_.intermediate_size > 0, where,
-               "intermediate_size must be positive, got " + std::to_string(p_.intermediate_size));
+    MOE_EXPECT(in_range(p_.hidden_size, 1, max_feature_size), where,
+               "hidden_size must be in [1, " + std::to_string(max_feature_size) + "], got " +
+                   std::to_string(p_.hidden_size));
+    MOE_EXPECT(in_range(p_.intermediate_size, 1, max_feature_size), where,
+               "intermediate_size must be in [1, " + std::to_string(max_feature_size) + "], got " +
+                   std::to_string(p_.intermediate_size));
     MOE_EXPECT(in_range(p_.top_k, 1, std::min(p_.num_experts, max_top_k)), where,
                "top_k must be in [1, min(num_experts, " + std::to_string(max_top_k) + ")], got " +
                    std::to_string(p_.top_k));
     MOE_EXPECT(std::isfinite(p_.routed_scaling_factor) && p_.routed_scaling_factor > 0.0f, where,
                "routed_scaling_factor must be finite and positive");
+    MOE_EXPECT(!activation_name(p_.act.kind).empty(), where,
+               "act.kind must be silu, gelu or swiglu_clamped, got the value " +
+                   std::to_string(static_cast<int>(p_.act.kind)));
     if (p_.act.kind == activation_kind::swiglu_clamped) {
       MOE_EXPECT(p_.is_gated, where, "swiglu_clamped needs is_gated = true");
       MOE_EXPECT(std::isfinite(p_.act.alpha) && p_.act.alpha > 0.0f, where,
@@ -114,6 +119,15 @@ class MoeRunnerConfig {
 };
 
 enum class scoring_func : std::uint8_t { softmax, sigmoid };
+
+// Empty for a value outside the enumerators (made by a cast), which validation rejects.
+constexpr std::string_view scoring_name(scoring_func f) {
+  switch (f) {
+    case scoring_func::softmax: return "softmax";
+    case scoring_func::sigmoid: return "sigmoid";
+  }
+  return {};
+}
 
 // Routing (top-k) settings, kept apart from the runner config as the engines do.
 struct topk_config {

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "moerunner/core/error.hpp"
+#include "moerunner/core/limits.hpp"
 
 namespace moerunner::gpu {
 
@@ -23,7 +24,7 @@ struct routing_plan {
 
 // The plan build's tiling fixes its scratch size, so it lives here beside the size query
 // (kernels/moerunner/kernels/kernel_permute.cuh is written against these values).
-inline constexpr int plan_max_experts = 1024;
+inline constexpr int plan_max_experts = max_gpu_local_experts;
 inline constexpr std::int64_t plan_single_tile_slots = 4096;  // up to this many slots: one block, one launch
 inline constexpr std::int64_t plan_tile_slots = 1024;         // above it: tiles of this many slots, three launches
 inline constexpr std::size_t plan_piece_alignment = 256;

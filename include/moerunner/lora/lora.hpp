@@ -53,6 +53,7 @@ consteval bool explain_lora_capability() {
 namespace detail {
 inline void validate_lora_weights(const lora_weights& w, const char* where) {
   for (const tensor_view* t : {&w.w13_a, &w.w13_b, &w.w2_a, &w.w2_b}) {
+    check::well_formed(*t, where, "a LoRA adapter weight");
     MOE_EXPECT(t->rank == 3 && t->data != nullptr, where, "LoRA is on but an adapter weight is missing or not [E, ., .]");
   }
   const auto r = w.w13_a.shape[1];

@@ -41,8 +41,8 @@ auto get_moe_quant_info(const QM& method, const moe_weights& weights) {
 
 // The runtime message used where a backend name decides the pair.
 inline std::string no_quant_info_message(std::string_view method, std::string_view backend) {
-  return "quant method '" + std::string(method) + "' does not expose quant info for backend '" +
-         std::string(backend) + "'";
+  return "quant method '" + detail::echo(method) + "' does not expose quant info for backend '" +
+         detail::echo(backend) + "'";
 }
 
 }  // namespace moerunner

@@ -46,18 +46,23 @@ inline float warp_order_sum(const float* v, int n) {
 
 inline void validate_topk_args(const topk_config& cfg, int num_experts, const char* where) {
   MOE_EXPECT(cfg.top_k >= 1 && cfg.top_k <= std::min(num_experts, routing::max_routing_top_k), where,
-             "top_k must be in [1, min(num_experts, 16)], got " + std::to_string(cfg.top_k));
+             "top_k must be in [1, min(num_experts, " + std::to_string(routing::max_routing_top_k) + ")], got " +
+                 std::to_string(cfg.top_k));
   MOE_EXPECT(num_experts <= routing::max_routing_experts, where,
-             "routing supports at most 512 experts, got " + std::to_string(num_experts));
+             "routing supports at most " + std::to_string(routing::max_routing_experts) + " experts, got " +
+                 std::to_string(num_experts));
   MOE_EXPECT(std::isfinite(cfg.routed_scaling_factor) && cfg.routed_scaling_factor > 0.0f, where,
              "routed_scaling_factor must be finite and positive");
+  MOE_EXPECT(!scoring_name(cfg.scoring).empty(), where,
+             "scoring must be softmax or sigmoid, got the value " + std::to_string(static_cast<int>(cfg.scoring)));
   MOE_EXPECT(cfg.num_expert_group >= 0, where,
              "num_expert_group must be at least 0 (0: no grouping), got " + std::to_string(cfg.num_expert_group));
   if (cfg.num_expert_group > 0) {
     MOE_EXPECT(num_experts % cfg.num_expert_group == 0, where,
                "num_expert_group must divide num_experts (" + std::to_string(num_experts) + "), got " +
                    std::to_string(cfg.num_expert_group));
-    MOE_EXPECT(cfg.num_expert_group <= routing::warp_lanes, where, "num_expert_group must be at most 32");
+    MOE_EXPECT(cfg.num_expert_group <= routing::max_expert_groups, where,
+               "num_expert_group must be at most " + std::to_string(routing::max_expert_groups));
     MOE_EXPECT(cfg.topk_group >= 1 && cfg.topk_group <= cfg.num_expert_group, where,
                "topk_group must be in [1, num_expert_group], got " + std::to_string(cfg.topk_group));
     MOE_EXPECT(cfg.topk_group * (num_experts / cfg.num_expert_group) >= cfg.top_k, where,

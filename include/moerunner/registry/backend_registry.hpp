@@ -81,7 +81,7 @@ class backend_registry {
     raise_deferred_locked();
     if (is_builtin_name(name)) return backend_id(name);
     if (find_locked(name)) return backend_id(name);
-    std::string msg = "unknown MoE runner backend '" + escaped(name) +
+    std::string msg = "unknown MoE runner backend '" + detail::echo(name) +
                       "': neither built in nor registered; known backends: " + known_names_locked();
     if (auto problem = backend_name_problem(name); !problem.empty()) msg += " (" + std::string(problem) + ")";
     throw registry_error(msg);
@@ -128,7 +128,7 @@ class backend_registry {
   void add_record(backend_id id, std::string_view raw_name, const void* key, registration_site site,
                   registration_kind kind) {
     if (auto problem = backend_name_problem(raw_name); !problem.empty())
-      throw registry_error("cannot register backend '" + escaped(raw_name) + "' at " + site.str() + ": " +
+      throw registry_error("cannot register backend '" + detail::echo(raw_name) + "' at " + site.str() + ": " +
                            std::string(problem));
     std::unique_lock lock(mutex_);
     const bool builtin = id.is_builtin();
@@ -164,25 +164,6 @@ class backend_registry {
     std::string msg = "backend registration failed during static initialization:";
     for (const auto& e : deferred_errors_) msg += "\n  " + e;
     throw registry_error(msg);
-  }
-
-  // A rejected name may hold any bytes (an unknown name comes from a command line or a
-  // config file): control and non-ASCII bytes are shown as \xNN so that a NUL cannot cut
-  // what() short.
-  static std::string escaped(std::string_view name) {
-    std::string s;
-    for (char c : name) {
-      const auto u = static_cast<unsigned char>(c);
-      if (u >= 0x20 && u < 0x7f) {
-        s += c;
-      } else {
-        constexpr char digits[] = "0123456789abcdef";
-        s += "\\x";
-        s += digits[u >> 4];
-        s += digits[u & 15];
-      }
-    }
-    return s;
   }
 
   static std::string builtin_names() {

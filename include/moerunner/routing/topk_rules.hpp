@@ -8,13 +8,13 @@
 #pragma once
 
 #include "moerunner/core/config.hpp"
+#include "moerunner/core/limits.hpp"
 #include "moerunner/core/portable_math.hpp"
 
 namespace moerunner::routing {
 
 inline constexpr int warp_lanes = 32;
-inline constexpr int max_routing_experts = 512;
-inline constexpr int max_routing_top_k = 16;
+static_assert(max_expert_groups <= warp_lanes && max_routing_experts % warp_lanes == 0);
 
 // True when (a, ia) ranks before (b, ib).
 MOERUNNER_HD inline bool ranks_before(float a, int ia, float b, int ib) {

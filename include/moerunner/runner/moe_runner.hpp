@@ -97,12 +97,13 @@ class MoeRunner {
       using P = std::decay_t<decltype(core)>;
       if constexpr (!concept_parts::runs_with<P, QI>) {
         throw unsupported_error("backend '" + std::string(id_.name()) + "' does not consume quant info '" +
-                                std::string(QI::format) + "'");
+                                detail::echo(QI::format) + "'");
       } else {
         constexpr const char* where = "MoeRunner::run";
         detail::validate_dispatch(config_, d, out, P::tensor_space, where);
         detail::validate_quant_info(config_, quant_info, P::tensor_space, where);
         detail::validate_workspace(core.workspace_bytes(d.num_tokens()), ws, where);
+        if constexpr (P::tensor_space == memory_space::host) detail::validate_host_ids(config_, d.topk.topk_ids, where);
         if (lora != nullptr) {
           if constexpr (LoraCapable<P>) {
             return core.run_from_dispatch(d, quant_info, out, ws, stream, *lora);

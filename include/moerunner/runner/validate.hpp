@@ -96,6 +96,18 @@ inline void validate_quant_info(const MoeRunnerConfig& cfg, const fp8_block_quan
   check::type(q.w2_scale, dtype::f32, where, "w2_scale");
 }
 
+// Host ids only: every id in [-1, num_local_experts), so that a host policy may index its
+// weights by id without a check of its own. Device ids cannot be read here without a sync.
+inline void validate_host_ids(const MoeRunnerConfig& cfg, const tensor_view& topk_ids, const char* where) {
+  const auto* ids = topk_ids.ptr<const std::int32_t>();
+  const std::int64_t n = topk_ids.numel();
+  for (std::int64_t i = 0; i < n; ++i)
+    MOE_EXPECT(ids[i] >= -1 && ids[i] < cfg.num_local_experts(), where,
+               "topk_ids[" + std::to_string(i / cfg.top_k()) + ", " + std::to_string(i % cfg.top_k()) + "] = " +
+                   std::to_string(ids[i]) + " is outside [-1, num_local_experts=" +
+                   std::to_string(cfg.num_local_experts()) + ")");
+}
+
 inline void validate_workspace(std::size_t needed, const workspace_view& ws, const char* where) {
   MOE_EXPECT(ws.bytes >= needed, where,
              "workspace too small: " + std::to_string(ws.bytes) + " bytes given, " + std::to_string(needed) +

@@ -4,6 +4,7 @@
 // It allocates host scratch internally (its workspace query is 0).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include "moerunner/core/host_float.hpp"
 #include "moerunner/reference/activation.hpp"
 #include "moerunner/reference/routing.hpp"
+#include "moerunner/runner/validate.hpp"
 
 namespace moerunner {
 
@@ -86,16 +88,6 @@ class reference_policy {
   }
 
  private:
-  void validate_ids(const DispatchOutput& d) const {
-    const auto* ids = d.topk.topk_ids.ptr<const std::int32_t>();
-    const std::int64_t n = d.topk.topk_ids.numel();
-    for (std::int64_t i = 0; i < n; ++i)
-      MOE_EXPECT(ids[i] >= -1 && ids[i] < cfg_.num_local_experts(), "reference_policy",
-                 "topk_ids[" + std::to_string(i / cfg_.top_k()) + ", " + std::to_string(i % cfg_.top_k()) + "] = " +
-                     std::to_string(ids[i]) + " is outside [-1, num_local_experts=" +
-                     std::to_string(cfg_.num_local_experts()) + ")");
-  }
-
   // Loads token t's input row as doubles (dequantizing fp8 activations by their group scales).
   std::vector<double> load_row(const DispatchOutput& d, std::int64_t t) const {
     const int h = cfg_.hidden_size();
@@ -110,17 +102,21 @@ class reference_policy {
 
   void run(const DispatchOutput& d, const tensor_view& w13, const tensor_view* s13, const tensor_view& w2,
            const tensor_view* s2, bool fp8, const tensor_view& out) const {
-    validate_ids(d);  // before any store: a rejected call writes nothing
+    // Again here, for a caller that runs the policy without a runner: before any store.
+    detail::validate_host_ids(cfg_, d.topk.topk_ids, "reference_policy");
     const std::int64_t m = d.num_tokens();
     const int k = cfg_.top_k(), h = cfg_.hidden_size(), inter = cfg_.intermediate_size();
     const double scaling = d.topk.routed_scaling_applied ? 1.0 : cfg_.routed_scaling_factor();
     const auto* ids = d.topk.topk_ids.ptr<const std::int32_t>();
     const auto* wts = d.topk.topk_weights.ptr<const float>();
-    // Rows are computed into a buffer first so that inplace (out aliases x) is safe.
-    std::vector<double> result(static_cast<std::size_t>(m) * (cfg_.no_combine() ? k : 1) * h, 0.0);
-    std::vector<double> act(inter), y(h);
+    // A token's rows are computed into a buffer and stored after its input row is read, so that
+    // inplace (out aliases x, row for row) is safe; its size is bounded by the config's limits.
+    const int rows_per_token = cfg_.no_combine() ? k : 1;
+    std::vector<double> result(static_cast<std::size_t>(rows_per_token) * h);
+    std::vector<double> act(inter);
     for (std::int64_t t = 0; t < m; ++t) {
       const std::vector<double> x0 = load_row(d, t);
+      std::fill(result.begin(), result.end(), 0.0);
       for (int j = 0; j < k; ++j) {
         const int e = ids[t * k + j];
         if (e < 0) continue;  // filtered slot: contributes nothing
@@ -139,15 +135,17 @@ class reference_policy {
         }
         if (fp8) reference::fp8_group_roundtrip(act);
         const double row_scale = (cfg_.apply_router_weight_on_input() ? 1.0 : wgt) * scaling;
-        double* dst = result.data() + (cfg_.no_combine() ? (t * k + j) : t) * h;
+        double* dst = result.data() + (cfg_.no_combine() ? j : 0) * h;
         for (int r = 0; r < h; ++r) {
           double acc = 0.0;
           for (int i = 0; i < inter; ++i) acc += b(r, i) * act[i];
           dst[r] += acc * row_scale;
         }
       }
+      const std::int64_t first = t * rows_per_token * h;
+      for (std::size_t i = 0; i < result.size(); ++i)
+        reference::store_from_double(out, first + static_cast<std::int64_t>(i), result[i]);
     }
-    for (std::size_t i = 0; i < result.size(); ++i) reference::store_from_double(out, static_cast<std::int64_t>(i), result[i]);
   }
 
   MoeRunnerConfig cfg_;

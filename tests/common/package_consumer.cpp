@@ -1,11 +1,16 @@
-// A program that finds moerunner with CMake (find_package) and runs one small
-// layer on the reference backend.
+// A program that runs one small layer on the reference backend, built by each way an engine
+// takes moerunner: installed with pkg-config or CMake, and as a Meson subproject. Each build
+// names itself in MOERUNNER_CONSUMER ("pkg-config", "cmake", "subproject").
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
 #include "moerunner/moerunner.hpp"
+
+#ifndef MOERUNNER_CONSUMER
+#error "define MOERUNNER_CONSUMER as the way this build found moerunner"
+#endif
 
 int main() {
   using namespace moerunner;
@@ -34,6 +39,6 @@ int main() {
     if (!std::isfinite(v)) return 1;
     norm += static_cast<double>(v) * v;
   }
-  std::printf("cmake consumer: backend %s, |out|^2 = %g\n", std::string(runner.runner_backend().name()).c_str(), norm);
+  std::printf(MOERUNNER_CONSUMER " consumer: backend %s, |out|^2 = %g\n", std::string(runner.runner_backend().name()).c_str(), norm);
   return norm > 0.0 ? 0 : 1;
 }
