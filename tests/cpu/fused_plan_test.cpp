@@ -1,6 +1,5 @@
 // The cuda_fused run plan (gpu::make_fused_plan): the one value the workspace query and the run
 // both read, checked on the host for the devices it plans for.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cstdint>
