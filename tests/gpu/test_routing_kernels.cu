@@ -49,6 +49,9 @@ struct routing_case {
                                        std::to_string(cfg.topk_group)
                                  : "") +
            (cfg.apply_routed_scaling_factor_on_weights ? " scaled=" + std::to_string(cfg.routed_scaling_factor) : "") +
+           (cfg.num_fused_shared_experts ? " shared=" + std::to_string(cfg.num_fused_shared_experts) + "x" +
+                                               std::to_string(cfg.fused_shared_expert_weight)
+                                         : "") +
            " data=" + std::to_string(static_cast<int>(data));
   }
 };
@@ -64,11 +67,21 @@ host_tensor make_logits(const routing_case& c, std::mt19937& rng) {
     std::uniform_int_distribution<int> col(0, c.e - 1);
     for (std::int64_t tok = 0; tok < c.m; ++tok) {
       const std::int64_t row = tok * c.e;
-      switch (tok % 5) {
+      switch (tok % 8) {
         case 0: for (int n = 0; n < 3; ++n) mr::test::set_element(t.view, row + col(rng), nan); break;
         case 1: for (int i = 0; i < c.e; ++i) mr::test::set_element(t.view, row + i, nan); break;
         case 2: mr::test::set_element(t.view, row + col(rng), inf); break;
         case 3: for (int i = 0; i < c.e; i += 2) mr::test::set_element(t.view, row + i, -inf); break;
+        case 4:  // two +inf (or one twice), a -inf and a NaN
+          mr::test::set_element(t.view, row + col(rng), inf);
+          mr::test::set_element(t.view, row + col(rng), inf);
+          mr::test::set_element(t.view, row + col(rng), -inf);
+          mr::test::set_element(t.view, row + col(rng), nan);
+          break;
+        case 5: for (int i = 0; i < c.e; ++i) mr::test::set_element(t.view, row + i, -inf); break;
+        case 6:  // no finite logit: -inf and NaN
+          for (int i = 0; i < c.e; ++i) mr::test::set_element(t.view, row + i, i % 3 == 0 ? nan : -inf);
+          break;
         default: break;  // finite row between the others
       }
     }
@@ -88,10 +101,11 @@ bool same_weight(float a, float b) {
   return (std::isnan(a) && std::isnan(b)) || std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
 }
 
-// Device topk on fresh data, outputs poisoned first, against reference::topk bit for bit.
+// Device topk on fresh data, outputs poisoned first, against reference::topk bit for bit; every
+// weight finite.
 void check_routing(const routing_case& c, std::mt19937& rng) {
   CAPTURE(c.str());
-  const int k = c.cfg.top_k;
+  const int k = mr::reference::topk_slots(c.cfg);
   host_tensor logits = make_logits(c, rng);
   host_tensor bias = make_bias(c, rng);
   host_tensor ref_w(mr::dtype::f32, {c.m, k}), ref_ids(mr::dtype::i32, {c.m, k});
@@ -110,8 +124,9 @@ void check_routing(const routing_case& c, std::mt19937& rng) {
 
   const auto w = w_buf.download<float>(static_cast<std::size_t>(c.m) * k);
   const auto ids = id_buf.download<std::int32_t>(static_cast<std::size_t>(c.m) * k);
-  int mismatches = 0;
+  int mismatches = 0, non_finite = 0;
   for (std::size_t i = 0; i < ids.size(); ++i) {
+    non_finite += std::isfinite(w[i]) ? 0 : 1;
     const float rw = ref_w.view.ptr<float>()[i];
     const std::int32_t rid = ref_ids.view.ptr<std::int32_t>()[i];
     if (ids[i] == rid && same_weight(w[i], rw)) continue;
@@ -120,6 +135,7 @@ void check_routing(const routing_case& c, std::mt19937& rng) {
                        << ", " << rw << ")");
   }
   CHECK(mismatches == 0);
+  CHECK(non_finite == 0);
 }
 
 constexpr mr::dtype logit_types[] = {mr::dtype::f32, mr::dtype::bf16, mr::dtype::f16};
@@ -197,6 +213,72 @@ TEST_CASE("topk: grouped selection (DeepSeek-V3 and other group shapes) matches 
       }
 }
 
+TEST_CASE("topk: non-finite logits route like the reference bit for bit, with every option") {
+  // NaN, +inf (one and two), -inf, and rows with no finite logit (routing/topk_rules.hpp), with
+  // softmax and sigmoid, bias, grouped top-k, renormalization, routed scaling and shared experts.
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  struct shape {
+    int e, k, groups, keep;
+  };
+  int n = 0;
+  for (const shape& sh : {shape{16, 4, 0, 0}, shape{16, 4, 4, 2}, shape{60, 6, 3, 1}, shape{256, 8, 8, 4},
+                          shape{512, 16, 0, 0}})
+    for (auto scoring : {mr::scoring_func::softmax, mr::scoring_func::sigmoid})
+      for (bool bias : {false, true})
+        for (bool renorm : {false, true})
+          for (bool scaled : {false, true}) {
+            routing_case c;
+            c.m = 40;  // five of each kind of row
+            c.e = sh.e;
+            c.cfg = {.top_k = sh.k, .scoring = scoring, .renormalize = renorm, .num_expert_group = sh.groups,
+                     .topk_group = sh.keep, .routed_scaling_factor = 2.5f,
+                     .apply_routed_scaling_factor_on_weights = scaled, .num_fused_shared_experts = n % 3 == 0 ? 1 : 0};
+            c.bias = bias;
+            c.type = logit_types[n % 3];
+            c.data = logit_data::nonfinite;
+            ++n;
+            check_routing(c, rng);
+          }
+}
+
+TEST_CASE("topk: fused shared experts match the reference bit for bit, with grouped top-k and routed scaling") {
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  struct shared_case {
+    int e, k, groups, keep;
+    mr::scoring_func scoring;
+    bool bias;
+    int shared;
+    float weight;
+  };
+  const shared_case cases[] = {
+      {256, 8, 8, 4, mr::scoring_func::sigmoid, true, 1, 1.0f},   // DeepSeek-V3 with its shared expert fused
+      {160, 6, 8, 3, mr::scoring_func::softmax, false, 2, 1.0f},  // two shared experts (DeepSeek-V2 style)
+      {128, 8, 0, 0, mr::scoring_func::softmax, false, 1, 0.5f},
+      {60, 4, 0, 0, mr::scoring_func::softmax, false, 4, 1.0f},
+      {512, 16, 0, 0, mr::scoring_func::sigmoid, true, mr::max_top_k - 16, 2.0f},  // every slot the runner takes
+  };
+  int n = 0;
+  for (const shared_case& sc : cases)
+    for (std::int64_t m : {1, 7, 1000})
+      for (bool scaled : {false, true}) {
+        routing_case c;
+        c.m = m;
+        c.e = sc.e;
+        c.cfg = {.top_k = sc.k, .scoring = sc.scoring, .renormalize = n % 4 != 3, .num_expert_group = sc.groups,
+                 .topk_group = sc.keep, .routed_scaling_factor = 2.5f, .apply_routed_scaling_factor_on_weights = scaled,
+                 .num_fused_shared_experts = sc.shared, .fused_shared_expert_weight = sc.weight};
+        c.bias = sc.bias;
+        c.type = logit_types[n % 3];
+        c.data = static_cast<logit_data>(n % 3);
+        ++n;
+        check_routing(c, rng);
+      }
+}
+
 TEST_CASE("topk: M = 0 launches nothing and still reports the scaling") {
   cudaStream_t stream;
   MOE_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -234,6 +316,12 @@ TEST_CASE("topk: bad arguments throw and write nothing") {
   CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 0}, out, nullptr), mr::invalid_argument_error);
   mr::TopKOutput wrong_k = out_for(3);
   CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 4}, wrong_k, nullptr), mr::invalid_argument_error);
+  // Outputs without room for the shared experts' slots.
+  CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 4, .num_fused_shared_experts = 1}, out, nullptr),
+                  mr::invalid_argument_error);
+  CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 3, .num_fused_shared_experts = -1}, wrong_k,
+                                nullptr),
+                  mr::invalid_argument_error);
   CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 4, .num_expert_group = 3, .topk_group = 1}, out,
                                 nullptr),
                   mr::invalid_argument_error);
