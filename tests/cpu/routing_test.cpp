@@ -660,6 +660,59 @@ TEST_CASE("fused shared experts: slots k.. hold ids E.. and the fixed weight; th
         }
 }
 
+TEST_CASE("fused shared experts through the reference runner: the shared expert's output gets its weight") {
+  // Runner over E + 1 experts with k + 1 slots == the routed experts alone (routed scaling
+  // applied) + the shared expert times fused_shared_expert_weight.
+  std::mt19937 rng(mr::test::test_seed());
+  const int m = 6, e = 8, k = 2, h = 16, inter = 8;
+  const float rsf = 2.5f;
+  host_tensor logits(mr::dtype::f32, {m, e}), x(mr::dtype::f32, {m, h}), w13(mr::dtype::f32, {e + 1, 2 * inter, h}),
+      w2(mr::dtype::f32, {e + 1, h, inter});
+  mr::cpu_test::fill_uniform(logits, rng, -2.0f, 2.0f);
+  mr::cpu_test::fill_uniform(x, rng, -1.0f, 1.0f);
+  mr::cpu_test::fill_uniform(w13, rng, -0.3f, 0.3f);
+  mr::cpu_test::fill_uniform(w2, rng, -0.3f, 0.3f);
+  // Runs the reference over E + 1 experts with `slots` slots per token, routed scaling `scaling`.
+  auto moe = [&](const host_tensor& w, const host_tensor& ids, int slots, float scaling, bool applied) {
+    mr::MoeRunner<mr::reference_policy> runner(
+        "reference", mr::MoeRunnerConfig({.num_experts = e + 1, .hidden_size = h, .intermediate_size = inter,
+                                          .top_k = slots, .routed_scaling_factor = scaling}));
+    host_tensor out(mr::dtype::f32, {m, h});
+    runner.run(mr::DispatchOutput{x.view, {}, {w.view, ids.view, applied}}, mr::unquantized_quant_info{w13.view, w2.view},
+               out.view, {}, {});
+    return std::vector<float>(out.ptr<float>(), out.ptr<float>() + m * h);
+  };
+  for (bool applied : {false, true})
+    for (float shared_weight : {1.0f, 0.75f}) {
+      CAPTURE(applied);
+      CAPTURE(shared_weight);
+      const mr::topk_config routed_cfg{.top_k = k, .scoring = mr::scoring_func::sigmoid, .routed_scaling_factor = rsf,
+                                       .apply_routed_scaling_factor_on_weights = applied};
+      mr::topk_config fused_cfg = routed_cfg;
+      fused_cfg.num_fused_shared_experts = 1;
+      fused_cfg.fused_shared_expert_weight = shared_weight;
+      host_tensor fw(mr::dtype::f32, {m, k + 1}), fids(mr::dtype::i32, {m, k + 1}), rw(mr::dtype::f32, {m, k}),
+          rids(mr::dtype::i32, {m, k}), sw(mr::dtype::f32, {m, 1}), sids(mr::dtype::i32, {m, 1});
+      mr::TopKOutput fused{fw.view, fids.view}, routed_only{rw.view, rids.view};
+      mr::reference::topk(logits.view, nullptr, fused_cfg, fused);
+      mr::reference::topk(logits.view, nullptr, routed_cfg, routed_only);
+      for (int t = 0; t < m; ++t) {
+        sw.ptr<float>()[t] = shared_weight;
+        sids.ptr<std::int32_t>()[t] = e;
+      }
+      const std::vector<float> got = moe(fw, fids, k + 1, rsf, applied);
+      const std::vector<float> routed_out = moe(rw, rids, k, rsf, applied);
+      const std::vector<float> shared_out = moe(sw, sids, 1, 1.0f, false);
+      double num = 0.0, den = 0.0;
+      for (int i = 0; i < m * h; ++i) {
+        const double want = double(routed_out[i]) + double(shared_out[i]);
+        num += (got[i] - want) * (got[i] - want);
+        den += want * want;
+      }
+      CHECK(std::sqrt(num / den) <= 1e-6);
+    }
+}
+
 TEST_CASE("fused shared experts: the option is checked and the outputs must be [M, k + n]") {
   host_tensor l(mr::dtype::f32, {2, 16});
   for (int i = 0; i < 32; ++i) l.ptr<float>()[i] = 0.1f * float(i % 7);
