@@ -455,6 +455,52 @@ TEST_CASE("routing plan: bad arguments throw and write nothing") {
   for (unsigned char b : ws.download<unsigned char>(ws.bytes())) REQUIRE(b == 0x5a);
 }
 
+TEST_CASE("routing plan: bad ids are added to the caller's status word, one block and tiled") {
+  // 400 slots (one block), 8000 (tiles of 1024, the bad ids in some tiles only) and 40000.
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  for (const size_case& s : {size_case{100, 4, 16}, size_case{2000, 4, 16}, size_case{5000, 8, 256}}) {
+    CAPTURE(s.m);
+    const auto n = static_cast<std::size_t>(s.m) * s.k;
+    const std::vector<std::int32_t> good = make_ids(s.m, s.k, s.e, id_pattern::filtered, rng);
+    std::vector<std::int32_t> bad = good;
+    const std::size_t at[] = {n - 1, n / 2 + 3, n / 3, n / 3 + 1};  // the lowest is n / 3
+    const std::int32_t values[] = {s.e, -2, 1 << 30, -1000};
+    for (int i = 0; i < 4; ++i) bad[at[i]] = values[i];
+    const int want_first = static_cast<int>(n / 3);
+    mr::test::device_plan d(good, s.m, s.k, s.e);
+    mr::test::device_status status;
+    auto build = [&](const std::vector<std::int32_t>& ids, mr::moe_status* st) {
+      d.ids.upload(ids);
+      d.plan = mr::gpu::build_routing_plan(d.ids_view(s.m, s.k), s.e, d.workspace.get(), d.workspace.bytes(), nullptr,
+                                           st);
+      MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    };
+    build(good, status.get());
+    CHECK(status.read().bad_slots == 0);
+    CHECK(status.read().first_bad_slot == 0);
+    build(bad, status.get());
+    check_plan(d, bad, s.e);  // the plan itself as without a status
+    CHECK(status.read().bad_slots == 4);
+    CHECK(status.read().first_bad_slot == want_first);
+    // A second bad build adds its count; the first bad slot stays the first build's.
+    std::vector<std::int32_t> earlier = good;
+    earlier[0] = s.e;
+    build(earlier, status.get());
+    CHECK(status.read().bad_slots == 5);
+    CHECK(status.read().first_bad_slot == want_first);
+    build(bad, nullptr);  // no status: nothing is added
+    CHECK(status.read().bad_slots == 5);
+    // Saturation instead of wrapping.
+    const mr::moe_status nearly_full{.bad_slots = 0x7fffffff - 2, .first_bad_slot = 9};
+    MOE_CUDA_CHECK(cudaMemcpy(status.get(), &nearly_full, sizeof nearly_full, cudaMemcpyHostToDevice));
+    build(bad, status.get());
+    CHECK(status.read().bad_slots == 0x7fffffff);
+    CHECK(status.read().first_bad_slot == 9);
+  }
+}
+
 namespace {
 
 // run() captured once on `stream` and instantiated, to be replayed.
@@ -911,6 +957,47 @@ TEST_CASE("routing plan with schedule captured in a CUDA graph replays to the sa
     graph.replay();
     MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     check_plan_and_schedule_against_host(built, ids, g.e, g.block_m);
+  }
+  MOE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("routing plan with schedule: bad ids reach the status word under CUDA graph replay") {
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (const size_case& s : {size_case{7, 8, 256}, size_case{5000, 8, 256}}) {  // one block, tiles
+    CAPTURE(s.m);
+    const auto n = static_cast<std::size_t>(s.m) * s.k;
+    const std::vector<std::int32_t> good = mr::test::random_ids(s.m, s.k, s.e, 0.1, rng);
+    std::vector<std::int32_t> bad = good;
+    bad[n - 1] = -3;
+    bad[n / 2] = s.e + 5;
+    device_buffer d_ids(n * sizeof(std::int32_t));
+    const auto view = mr::tensor_view::contiguous(d_ids.get(), mr::dtype::i32, {s.m, s.k}, mr::memory_space::device);
+    device_buffer pw(mr::gpu::routing_plan_bytes(s.m, s.k, s.e)), sw(mr::gpu::tile_schedule_bytes(static_cast<std::int64_t>(n), s.e, 128));
+    mr::test::device_status status;
+    // The caller's zeroing captured with the build, as an engine captures a step.
+    const captured_run graph(stream, [&] {
+      MOE_CUDA_CHECK(cudaMemsetAsync(status.get(), 0, sizeof(mr::moe_status), stream));
+      mr::gpu::build_routing_plan_and_schedule(view, s.e, 128, pw.get(), pw.bytes(), sw.get(), sw.bytes(), stream,
+                                               false, status.get());
+    });
+    auto replay_with = [&](const std::vector<std::int32_t>& ids) {
+      d_ids.upload(ids);
+      graph.replay();
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      return status.read();
+    };
+    for (int r = 0; r < 3; ++r) {
+      const mr::moe_status st = replay_with(bad);
+      CHECK(st.bad_slots == 2);
+      CHECK(st.first_bad_slot == static_cast<int>(n / 2));
+    }
+    const mr::moe_status clean = replay_with(good);
+    CHECK(clean.bad_slots == 0);
+    CHECK(clean.first_bad_slot == 0);
   }
   MOE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
