@@ -142,7 +142,8 @@ inline routing_plan carve_routing_plan(const tensor_view& topk_ids, int num_expe
 }
 
 // Copies the plan's bad-id flag to the host. SYNCHRONIZES `stream` (so it cannot be captured
-// in a graph): meant for tests and for callers that validate ids outside a captured run.
+// in a graph): meant for tests and for callers that validate ids outside a captured run; under
+// graphs, pass a moe_status to the build instead and read it asynchronously.
 inline int read_plan_error(const routing_plan& plan, cudaStream_t stream) {
   MOE_EXPECT(plan.error_flag != nullptr, "gpu::read_plan_error", "the plan has no error flag (not built)");
   std::int32_t flag = 0;
