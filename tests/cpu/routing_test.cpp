@@ -29,15 +29,16 @@ struct routed {
 
 routed route(const std::vector<float>& logits, int m, int e, const mr::topk_config& cfg,
              const std::vector<float>* bias = nullptr) {
-  host_tensor l(mr::dtype::f32, {m, e}), w(mr::dtype::f32, {m, cfg.top_k}), ids(mr::dtype::i32, {m, cfg.top_k});
+  const int slots = mr::reference::topk_slots(cfg);
+  host_tensor l(mr::dtype::f32, {m, e}), w(mr::dtype::f32, {m, slots}), ids(mr::dtype::i32, {m, slots});
   std::copy(logits.begin(), logits.end(), l.ptr<float>());
   host_tensor b(mr::dtype::f32, {e});
   if (bias) std::copy(bias->begin(), bias->end(), b.ptr<float>());
   mr::TopKOutput out{w.view, ids.view};
   mr::reference::topk(l.view, bias ? &b.view : nullptr, cfg, out);
   routed r;
-  r.ids.assign(ids.ptr<std::int32_t>(), ids.ptr<std::int32_t>() + m * cfg.top_k);
-  r.weights.assign(w.ptr<float>(), w.ptr<float>() + m * cfg.top_k);
+  r.ids.assign(ids.ptr<std::int32_t>(), ids.ptr<std::int32_t>() + m * slots);
+  r.weights.assign(w.ptr<float>(), w.ptr<float>() + m * slots);
   r.scaling_applied = out.routed_scaling_applied;
   return r;
 }
@@ -362,15 +363,381 @@ TEST_CASE("a NaN logit is never selected over a finite one") {
     const std::vector<float> l2 = {nan, -60.0f, -70.0f, 5.0f};
     const routed r2 = route(l2, 1, 4, {.top_k = 3, .scoring = f, .renormalize = false});
     CHECK(r2.ids == std::vector<std::int32_t>{3, 1, 2});
-    // With nothing finite left, the order falls back to the index.
+    // With nothing finite left, the token is routed to nothing.
     const std::vector<float> all_nan(4, nan);
-    CHECK(route(all_nan, 1, 4, {.top_k = 2, .scoring = f}).ids == std::vector<std::int32_t>{0, 1});
+    const routed none = route(all_nan, 1, 4, {.top_k = 2, .scoring = f});
+    CHECK(none.ids == std::vector<std::int32_t>{-1, -1});
+    CHECK(none.weights == std::vector<float>{0.0f, 0.0f});
     // NaN in one token does not reach another.
     std::vector<float> two = {nan, 1.0f, 2.0f, 3.0f, 0.5f, 1.0f, 2.0f, 3.0f};
     const routed r3 = route(two, 2, 4, {.top_k = 2, .scoring = f});
     CHECK(r3.ids == std::vector<std::int32_t>{3, 2, 3, 2});
     for (float w : r3.weights) CHECK(std::isfinite(w));
   }
+}
+
+namespace {
+
+constexpr float inf = std::numeric_limits<float>::infinity();
+constexpr float nan_value = std::numeric_limits<float>::quiet_NaN();
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (std::bit_cast<std::uint32_t>(a[i]) != std::bit_cast<std::uint32_t>(b[i])) return false;
+  return true;
+}
+
+// Random logits in [-4, 4] with NaN, +inf and -inf sprinkled in, and some rows with no finite
+// logit at all.
+std::vector<float> nonfinite_logits(int m, int e, std::mt19937& rng) {
+  std::vector<float> l(static_cast<std::size_t>(m) * e);
+  std::uniform_real_distribution<float> d(-4.0f, 4.0f);
+  std::uniform_int_distribution<int> pct(0, 99);
+  for (int t = 0; t < m; ++t) {
+    const int kind = t % 6;  // 0: finite; 1: sprinkled; 2: many -inf; 3: +inf twice; 4: no finite; 5: all NaN
+    for (int i = 0; i < e; ++i) {
+      float& v = l[static_cast<std::size_t>(t) * e + i];
+      v = d(rng);
+      const int r = pct(rng);
+      if (kind == 1) v = r < 5 ? nan_value : r < 8 ? inf : r < 15 ? -inf : v;
+      if (kind == 2 && r < 80) v = -inf;
+      if (kind == 4) v = r < 50 ? -inf : nan_value;
+      if (kind == 5) v = nan_value;
+    }
+    if (kind == 3) {
+      l[static_cast<std::size_t>(t) * e + pct(rng) % e] = inf;
+      l[static_cast<std::size_t>(t) * e + pct(rng) % e] = inf;
+    }
+  }
+  return l;
+}
+
+// Every option of the routing over E = 16 (groups of 4, two kept), for the sweeps below.
+std::vector<mr::topk_config> every_option(int k) {
+  std::vector<mr::topk_config> cfgs;
+  for (auto f : {mr::scoring_func::softmax, mr::scoring_func::sigmoid})
+    for (bool renorm : {false, true})
+      for (bool grouped : {false, true})
+        for (bool scaled : {false, true})
+          for (int shared : {0, 2})
+            cfgs.push_back({.top_k = k, .scoring = f, .renormalize = renorm, .num_expert_group = grouped ? 4 : 0,
+                            .topk_group = grouped ? 2 : 0, .routed_scaling_factor = 2.5f,
+                            .apply_routed_scaling_factor_on_weights = scaled, .num_fused_shared_experts = shared,
+                            .fused_shared_expert_weight = 1.0f});
+  return cfgs;
+}
+
+}  // namespace
+
+TEST_CASE("non-finite logits: NaN routes as -inf and +inf as the largest finite float, bit for bit") {
+  std::mt19937 rng(mr::test::test_seed());
+  const int m = 36, e = 16;
+  for (int k : {1, 4, 6})
+    for (const mr::topk_config& cfg : every_option(k))
+      for (bool with_bias : {false, true}) {
+        CAPTURE(k);
+        CAPTURE(static_cast<int>(cfg.scoring));
+        CAPTURE(cfg.renormalize);
+        CAPTURE(cfg.num_expert_group);
+        CAPTURE(with_bias);
+        const std::vector<float> l = nonfinite_logits(m, e, rng);
+        std::vector<float> mapped = l;
+        for (float& v : mapped) v = std::isnan(v) ? -inf : v == inf ? std::numeric_limits<float>::max() : v;
+        std::vector<float> bias(e);
+        for (int i = 0; i < e; ++i) bias[i] = 0.05f * float(i % 5);
+        const routed r = route(l, m, e, cfg, with_bias ? &bias : nullptr);
+        const routed want = route(mapped, m, e, cfg, with_bias ? &bias : nullptr);
+        CHECK(r.ids == want.ids);
+        CHECK(same_bits(r.weights, want.weights));
+        for (float w : r.weights) CHECK(std::isfinite(w));
+      }
+}
+
+TEST_CASE("non-finite logits: every weight is finite, ids are eligible and distinct, filtered slots come last") {
+  std::mt19937 rng(mr::test::test_seed());
+  const int m = 36, e = 16;
+  for (int k : {1, 4, 6, 16})
+    for (const mr::topk_config& cfg : every_option(k)) {
+      if (cfg.num_expert_group > 0 && k > 8) continue;  // two kept groups of 4 hold 8 experts
+      CAPTURE(k);
+      CAPTURE(static_cast<int>(cfg.scoring));
+      CAPTURE(cfg.renormalize);
+      CAPTURE(cfg.num_expert_group);
+      const std::vector<float> l = nonfinite_logits(m, e, rng);
+      std::vector<float> bias(e);
+      for (int i = 0; i < e; ++i) bias[i] = i % 3 == 0 ? 9.0f : 0.0f;  // large on some: never overrides eligibility
+      const routed r = route(l, m, e, cfg, &bias);
+      const int slots = k + cfg.num_fused_shared_experts;
+      for (int t = 0; t < m; ++t) {
+        CAPTURE(t);
+        int eligible = 0;
+        for (int i = 0; i < e; ++i) eligible += std::isnan(l[t * e + i]) || l[t * e + i] == -inf ? 0 : 1;
+        std::set<int> seen;
+        double sum = 0.0;
+        bool filtered = false;
+        for (int j = 0; j < k; ++j) {
+          const int id = r.ids[t * slots + j];
+          const float w = r.weights[t * slots + j];
+          CHECK(std::isfinite(w));
+          CHECK(w >= 0.0f);
+          if (id == -1) {
+            filtered = true;
+            CHECK(w == 0.0f);
+            continue;
+          }
+          CHECK_FALSE(filtered);  // nothing selected after a filtered slot
+          REQUIRE(id >= 0);
+          REQUIRE(id < e);
+          CHECK_FALSE(std::isnan(l[t * e + id]));
+          CHECK(l[t * e + id] != -inf);
+          CHECK(seen.insert(id).second);
+          sum += w;
+        }
+        // Ungrouped, exactly the eligible experts fill the slots, up to k.
+        if (cfg.num_expert_group == 0) CHECK(static_cast<int>(seen.size()) == std::min(k, eligible));
+        if (eligible == 0) CHECK(seen.empty());
+        if (cfg.renormalize && sum > 0.0) {
+          const double want = cfg.apply_routed_scaling_factor_on_weights ? cfg.routed_scaling_factor : 1.0;
+          CHECK(std::fabs(sum - want) <= 2e-6 * want);
+        }
+        for (int s = 0; s < cfg.num_fused_shared_experts; ++s) CHECK(r.ids[t * slots + k + s] == e + s);
+      }
+    }
+}
+
+TEST_CASE("non-finite logits: one +inf takes the whole softmax weight, two share it, sigmoid gives it 1") {
+  using v = std::vector<float>;
+  using ids = std::vector<std::int32_t>;
+  const mr::topk_config softmax2{.top_k = 2, .renormalize = false};
+  // exp(x - FLT_MAX) is 0 for every finite x: the others tie at 0 and go by index.
+  const routed one = route({0.5f, inf, 1.0f, -0.3f}, 1, 4, softmax2);
+  CHECK(one.ids == ids{1, 0});
+  CHECK(one.weights == v{1.0f, 0.0f});
+  CHECK(route({0.5f, inf, 1.0f, -0.3f}, 1, 4, {.top_k = 2, .renormalize = true}).weights == v{1.0f, 0.0f});
+  const routed two = route({inf, 0.5f, inf, 1.0f}, 1, 4, {.top_k = 3, .renormalize = false});
+  CHECK(two.ids == ids{0, 2, 1});
+  CHECK(two.weights == v{0.5f, 0.5f, 0.0f});
+  const routed sig = route({0.5f, inf, 1.0f, -0.3f}, 1, 4, {.top_k = 2, .scoring = mr::scoring_func::sigmoid,
+                                                             .renormalize = false});
+  CHECK(sig.ids == ids{1, 2});
+  CHECK(sig.weights[0] == 1.0f);
+  CHECK(sig.weights[1] == mr::portable::sigmoid(1.0f));
+  // +inf, -inf and NaN in one row: only the +inf and the finite logit are taken.
+  const routed mixed = route({-inf, inf, nan_value, 2.0f}, 1, 4, {.top_k = 3, .renormalize = false});
+  CHECK(mixed.ids == ids{1, 3, -1});
+  CHECK(mixed.weights == v{1.0f, 0.0f, 0.0f});
+}
+
+TEST_CASE("non-finite logits: -inf and NaN experts are never selected, whatever their bias; spare slots are filtered") {
+  const std::vector<float> l = {-inf, 0.2f, nan_value, -0.1f, -inf, -inf};
+  const std::vector<float> bias = {100.0f, 0.0f, 100.0f, 0.0f, 100.0f, 100.0f};
+  for (auto f : {mr::scoring_func::softmax, mr::scoring_func::sigmoid})
+    for (bool renorm : {false, true})
+      for (bool scaled : {false, true}) {
+        CAPTURE(static_cast<int>(f));
+        CAPTURE(renorm);
+        CAPTURE(scaled);
+        const mr::topk_config cfg{.top_k = 4, .scoring = f, .renormalize = renorm, .routed_scaling_factor = 2.5f,
+                                  .apply_routed_scaling_factor_on_weights = scaled};
+        for (const std::vector<float>* b : {static_cast<const std::vector<float>*>(nullptr), &bias}) {
+          const routed r = route(l, 1, 6, cfg, b);
+          CHECK(r.ids == std::vector<std::int32_t>{1, 3, -1, -1});
+          CHECK(r.weights[2] == 0.0f);
+          CHECK(r.weights[3] == 0.0f);
+          const std::vector<double> p = scores_of(l.data(), 6, f);  // NaN/-inf give 0 or NaN: only 1 and 3 read
+          double s1 = f == mr::scoring_func::softmax ? std::exp(0.2) / (std::exp(0.2) + std::exp(-0.1)) : p[1];
+          double s3 = f == mr::scoring_func::softmax ? std::exp(-0.1) / (std::exp(0.2) + std::exp(-0.1)) : p[3];
+          if (renorm) {
+            const double sum = s1 + s3;
+            s1 /= sum;
+            s3 /= sum;
+          }
+          const double scale = scaled ? 2.5 : 1.0;
+          CHECK(std::fabs(r.weights[0] - s1 * scale) <= 1e-6 * scale);
+          CHECK(std::fabs(r.weights[1] - s3 * scale) <= 1e-6 * scale);
+        }
+      }
+}
+
+TEST_CASE("non-finite logits: a token with no finite logit is routed to nothing, with every option") {
+  const int e = 16;
+  std::vector<float> bias(e);
+  for (int i = 0; i < e; ++i) bias[i] = 0.1f * float(i);
+  for (const std::vector<float>& l :
+       {std::vector<float>(e, -inf), std::vector<float>(e, nan_value), [] {
+          std::vector<float> mix(e, -inf);
+          for (int i = 0; i < e; i += 3) mix[i] = nan_value;
+          return mix;
+        }()})
+    for (const mr::topk_config& cfg : every_option(4))
+      for (bool with_bias : {false, true}) {
+        CAPTURE(static_cast<int>(cfg.scoring));
+        CAPTURE(cfg.renormalize);
+        CAPTURE(cfg.num_expert_group);
+        CAPTURE(with_bias);
+        const routed r = route(l, 1, e, cfg, with_bias ? &bias : nullptr);
+        std::vector<std::int32_t> want_ids(4, -1);
+        std::vector<float> want_w(4, 0.0f);
+        const float shared = cfg.apply_routed_scaling_factor_on_weights ? 1.0f : 1.0f / 2.5f;
+        for (int s = 0; s < cfg.num_fused_shared_experts; ++s) {
+          want_ids.push_back(e + s);  // shared experts do not depend on the logits
+          want_w.push_back(shared);
+        }
+        CHECK(r.ids == want_ids);
+        CHECK(same_bits(r.weights, want_w));
+      }
+}
+
+TEST_CASE("non-finite logits: grouped top-k ranks a group without eligible experts last") {
+  // Group 0 has only -inf and NaN logits and the largest bias: the two groups kept are 1 and 2.
+  const std::vector<float> l = {-inf, nan_value, -1.0f, -2.0f, -1.5f, -3.0f, -4.0f, -5.0f};
+  const std::vector<float> bias = {50.0f, 50.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (auto f : {mr::scoring_func::softmax, mr::scoring_func::sigmoid})
+    for (bool with_bias : {false, true}) {
+      CAPTURE(static_cast<int>(f));
+      CAPTURE(with_bias);
+      const mr::topk_config cfg{.top_k = 4, .scoring = f, .renormalize = false, .num_expert_group = 4,
+                                .topk_group = 2};
+      const routed r = route(l, 1, 8, cfg, with_bias ? &bias : nullptr);
+      CHECK(r.ids == std::vector<std::int32_t>{2, 4, 3, 5});
+    }
+}
+
+TEST_CASE("renormalization of selected scores that all underflow gives zeros, not NaN") {
+  const std::vector<float> l(8, -200.0f);  // sigmoid(-200) is 0 in f32
+  const routed r = route(l, 1, 8, {.top_k = 2, .scoring = mr::scoring_func::sigmoid, .renormalize = true});
+  CHECK(r.ids == std::vector<std::int32_t>{0, 1});
+  CHECK(r.weights == std::vector<float>{0.0f, 0.0f});
+  // Softmax: the kept group holds no expert near the max.
+  const std::vector<float> g = {3e38f, 0.0f, 0.0f, 0.0f, -3e38f, -3e38f, -3e38f, -3e38f};
+  const std::vector<float> bias = {0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+  const routed s = route(g, 1, 8, {.top_k = 2, .renormalize = true, .num_expert_group = 2, .topk_group = 1}, &bias);
+  CHECK(s.ids == std::vector<std::int32_t>{4, 5});
+  CHECK(s.weights == std::vector<float>{0.0f, 0.0f});
+}
+
+TEST_CASE("fused shared experts: slots k.. hold ids E.. and the fixed weight; the routed slots are unchanged") {
+  std::mt19937 rng(mr::test::test_seed());
+  const int m = 12, e = 16;
+  for (int k : {1, 4, 8})
+    for (const mr::topk_config& base : every_option(k))
+      for (int n : {1, 2, 3})
+        for (float weight : {1.0f, 0.5f}) {
+          if (base.num_fused_shared_experts != 0) continue;
+          CAPTURE(k);
+          CAPTURE(n);
+          CAPTURE(weight);
+          CAPTURE(static_cast<int>(base.scoring));
+          CAPTURE(base.renormalize);
+          CAPTURE(base.num_expert_group);
+          CAPTURE(base.apply_routed_scaling_factor_on_weights);
+          mr::topk_config cfg = base;
+          cfg.num_fused_shared_experts = n;
+          cfg.fused_shared_expert_weight = weight;
+          const std::vector<float> l = ladder_logits(m, e, rng, 0.05f);
+          std::vector<float> bias(e);
+          for (int i = 0; i < e; ++i) bias[i] = 0.01f * float((i * 7) % e);
+          const routed plain = route(l, m, e, base, &bias);
+          const routed fused = route(l, m, e, cfg, &bias);
+          CHECK(fused.scaling_applied == plain.scaling_applied);
+          // Stored so that the runner's routed scaling (when it applies it) brings it to `weight`.
+          const float stored = cfg.apply_routed_scaling_factor_on_weights ? weight : weight / cfg.routed_scaling_factor;
+          if (!cfg.apply_routed_scaling_factor_on_weights)
+            CHECK(std::fabs(stored * cfg.routed_scaling_factor - weight) <= 1e-7f);
+          for (int t = 0; t < m; ++t) {
+            for (int j = 0; j < k; ++j) {
+              CHECK(fused.ids[t * (k + n) + j] == plain.ids[t * k + j]);
+              CHECK(std::bit_cast<std::uint32_t>(fused.weights[t * (k + n) + j]) ==
+                    std::bit_cast<std::uint32_t>(plain.weights[t * k + j]));
+            }
+            for (int s = 0; s < n; ++s) {
+              CHECK(fused.ids[t * (k + n) + k + s] == e + s);
+              CHECK(fused.weights[t * (k + n) + k + s] == stored);
+            }
+          }
+        }
+}
+
+TEST_CASE("fused shared experts through the reference runner: the shared expert's output gets its weight") {
+  // Runner over E + 1 experts with k + 1 slots == the routed experts alone (routed scaling
+  // applied) + the shared expert times fused_shared_expert_weight.
+  std::mt19937 rng(mr::test::test_seed());
+  const int m = 6, e = 8, k = 2, h = 16, inter = 8;
+  const float rsf = 2.5f;
+  host_tensor logits(mr::dtype::f32, {m, e}), x(mr::dtype::f32, {m, h}), w13(mr::dtype::f32, {e + 1, 2 * inter, h}),
+      w2(mr::dtype::f32, {e + 1, h, inter});
+  mr::cpu_test::fill_uniform(logits, rng, -2.0f, 2.0f);
+  mr::cpu_test::fill_uniform(x, rng, -1.0f, 1.0f);
+  mr::cpu_test::fill_uniform(w13, rng, -0.3f, 0.3f);
+  mr::cpu_test::fill_uniform(w2, rng, -0.3f, 0.3f);
+  // Runs the reference over E + 1 experts with `slots` slots per token, routed scaling `scaling`.
+  auto moe = [&](const host_tensor& w, const host_tensor& ids, int slots, float scaling, bool applied) {
+    mr::MoeRunner<mr::reference_policy> runner(
+        "reference", mr::MoeRunnerConfig({.num_experts = e + 1, .hidden_size = h, .intermediate_size = inter,
+                                          .top_k = slots, .routed_scaling_factor = scaling}));
+    host_tensor out(mr::dtype::f32, {m, h});
+    runner.run(mr::DispatchOutput{x.view, {}, {w.view, ids.view, applied}}, mr::unquantized_quant_info{w13.view, w2.view},
+               out.view, {}, {});
+    return std::vector<float>(out.ptr<float>(), out.ptr<float>() + m * h);
+  };
+  for (bool applied : {false, true})
+    for (float shared_weight : {1.0f, 0.75f}) {
+      CAPTURE(applied);
+      CAPTURE(shared_weight);
+      const mr::topk_config routed_cfg{.top_k = k, .scoring = mr::scoring_func::sigmoid, .routed_scaling_factor = rsf,
+                                       .apply_routed_scaling_factor_on_weights = applied};
+      mr::topk_config fused_cfg = routed_cfg;
+      fused_cfg.num_fused_shared_experts = 1;
+      fused_cfg.fused_shared_expert_weight = shared_weight;
+      host_tensor fw(mr::dtype::f32, {m, k + 1}), fids(mr::dtype::i32, {m, k + 1}), rw(mr::dtype::f32, {m, k}),
+          rids(mr::dtype::i32, {m, k}), sw(mr::dtype::f32, {m, 1}), sids(mr::dtype::i32, {m, 1});
+      mr::TopKOutput fused{fw.view, fids.view}, routed_only{rw.view, rids.view};
+      mr::reference::topk(logits.view, nullptr, fused_cfg, fused);
+      mr::reference::topk(logits.view, nullptr, routed_cfg, routed_only);
+      for (int t = 0; t < m; ++t) {
+        sw.ptr<float>()[t] = shared_weight;
+        sids.ptr<std::int32_t>()[t] = e;
+      }
+      const std::vector<float> got = moe(fw, fids, k + 1, rsf, applied);
+      const std::vector<float> routed_out = moe(rw, rids, k, rsf, applied);
+      const std::vector<float> shared_out = moe(sw, sids, 1, 1.0f, false);
+      double num = 0.0, den = 0.0;
+      for (int i = 0; i < m * h; ++i) {
+        const double want = double(routed_out[i]) + double(shared_out[i]);
+        num += (got[i] - want) * (got[i] - want);
+        den += want * want;
+      }
+      CHECK(std::sqrt(num / den) <= 1e-6);
+    }
+}
+
+TEST_CASE("fused shared experts: the option is checked and the outputs must be [M, k + n]") {
+  host_tensor l(mr::dtype::f32, {2, 16});
+  for (int i = 0; i < 32; ++i) l.ptr<float>()[i] = 0.1f * float(i % 7);
+  auto run = [&](const mr::topk_config& cfg, int width) {
+    host_tensor w(mr::dtype::f32, {2, width}), ids(mr::dtype::i32, {2, width});
+    mr::TopKOutput out{w.view, ids.view};
+    mr::reference::topk(l.view, nullptr, cfg, out);
+  };
+  CHECK_NOTHROW(run({.top_k = 4, .num_fused_shared_experts = 1}, 5));
+  CHECK_NOTHROW(run({.top_k = 16, .num_fused_shared_experts = mr::max_top_k - 16}, mr::max_top_k));
+  CHECK_THROWS_AS(run({.top_k = 4, .num_fused_shared_experts = 1}, 4), mr::invalid_argument_error);
+  CHECK_THROWS_AS(run({.top_k = 4, .num_fused_shared_experts = -1}, 3), mr::invalid_argument_error);
+  CHECK_THROWS_AS(run({.top_k = 16, .num_fused_shared_experts = mr::max_top_k - 15}, mr::max_top_k + 1),
+                  mr::invalid_argument_error);
+  CHECK_THROWS_AS(run({.top_k = 4, .num_fused_shared_experts = 1, .fused_shared_expert_weight = inf}, 5),
+                  mr::invalid_argument_error);
+  CHECK_THROWS_AS(run({.top_k = 4, .num_fused_shared_experts = 1, .fused_shared_expert_weight = nan_value}, 5),
+                  mr::invalid_argument_error);
+  // Finite, but not once divided by the routed scaling the runner applies later.
+  CHECK_THROWS_AS(run({.top_k = 4, .routed_scaling_factor = 1e-3f, .num_fused_shared_experts = 1,
+                       .fused_shared_expert_weight = 3e38f},
+                      5),
+                  mr::invalid_argument_error);
+  CHECK_NOTHROW(run({.top_k = 4, .routed_scaling_factor = 1e-3f, .apply_routed_scaling_factor_on_weights = true,
+                     .num_fused_shared_experts = 1, .fused_shared_expert_weight = 3e38f},
+                    5));
 }
 
 TEST_CASE("half-precision logits route exactly like their f32 values") {

@@ -12,6 +12,7 @@
 
 #include "moerunner/core/host_float.hpp"
 #include "moerunner/core/tensor_view.hpp"
+#include "moerunner/core/types.hpp"
 #include "moerunner/reference/routing.hpp"
 #include "moerunner/gpu/cuda_check.hpp"
 #include "../common/test_seed.hpp"
@@ -79,6 +80,19 @@ struct device_tensor {
   }
   void to_host(host_tensor& h) const {
     if (view.bytes()) MOE_CUDA_CHECK(cudaMemcpy(h.view.data, buf.get(), view.bytes(), cudaMemcpyDeviceToHost));
+  }
+};
+
+// A moe_status in device memory, zeroed when made, and read back.
+struct device_status {
+  device_buffer buf{sizeof(moe_status)};
+  device_status() { zero(); }
+  moe_status* get() const { return static_cast<moe_status*>(buf.get()); }
+  void zero() { MOE_CUDA_CHECK(cudaMemset(buf.get(), 0, sizeof(moe_status))); }
+  moe_status read() const {
+    moe_status h;
+    MOE_CUDA_CHECK(cudaMemcpy(&h, buf.get(), sizeof h, cudaMemcpyDeviceToHost));
+    return h;
   }
 };
 

@@ -372,6 +372,135 @@ TEST_CASE("cuda_fused leaves out expert ids outside [-1, E) as it does -1") {
   }
 }
 
+TEST_CASE("cuda_fused adds out-of-range ids to the caller's status word, directly and under CUDA graph replay") {
+  // 24 * 2 slots with plan_in_gemms and the stream GEMMs: GEMM1 builds the schedule and reports
+  // them; without plan_in_gemms the plan kernel does, as it does with the automatic tuning at
+  // 300 tokens (one block) and 2500 (tiles of slots).
+  struct path {
+    int m;
+    bool in_gemms;
+    tuning tu;
+  };
+  for (const path& run : {path{24, true, tuning::stream}, path{24, false, tuning::stream},
+                          path{300, true, tuning::automatic}, path{2500, true, tuning::automatic}}) {
+    const unsigned seed = mr::test::test_seed();
+    CAPTURE(seed);
+    CAPTURE(run.m);
+    CAPTURE(run.in_gemms);
+    CAPTURE(std::string(mr::gpu::gemm_tuning_name(run.tu)));
+    std::mt19937 rng(seed);
+    const problem p({run.m, 8, 2, odd_h, odd_i}, mr::dtype::bf16, {.ids = ids_kind::random_filtered}, rng);
+    const auto n = static_cast<std::size_t>(p.ids.view.numel());
+    const std::vector<std::int32_t> good(p.ids.view.ptr<std::int32_t>(), p.ids.view.ptr<std::int32_t>() + n);
+    // Every filtered slot made bad (the output must not change), and the same with one left bad.
+    std::vector<std::int32_t> bad = good, one_bad = good;
+    int replaced = 0, first = -1, last = -1;
+    for (std::size_t s = 0; s < n; ++s)
+      if (good[s] == -1) {
+        const int r = replaced++;
+        bad[s] = r % 3 == 0 ? p.s.e : r % 3 == 1 ? -7 : (1 << 30);
+        first = first < 0 ? static_cast<int>(s) : first;
+        last = static_cast<int>(s);
+      }
+    REQUIRE(replaced > 1);  // the middle token is always filtered
+    one_bad[last] = p.s.e + 1;
+
+    on_device g(p, run.tu, false, 0, {.plan_in_gemms = run.in_gemms});
+    mr::test::device_status status;
+    mr::DispatchOutput d = g.dispatch(p);
+    d.status = status.get();
+    const mr::unquantized_quant_info q{g.w13.view, g.w2.view};
+    auto set_ids = [&](const std::vector<std::int32_t>& ids) {
+      MOE_CUDA_CHECK(cudaMemcpy(g.ids.view.data, ids.data(), n * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+    };
+    auto run_on = [&](cudaStream_t s) { g.runner->run(d, q, g.out, g.ws, cuda::stream_ref(s)); };
+    auto check_status = [&](int want_count, int want_first) {
+      const mr::moe_status st = status.read();
+      CHECK(st.bad_slots == want_count);
+      CHECK(st.first_bad_slot == want_first);
+    };
+
+    // Direct runs add up; the first bad slot stays the first run's.
+    set_ids(bad);
+    g.fill_out(0xff);
+    run_on(nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    compare(p, g.result(p));
+    check_status(replaced, first);
+    set_ids(one_bad);
+    run_on(nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    check_status(replaced + 1, first);
+
+    cudaStream_t s = nullptr;
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    // A graph of the caller's zeroing and the run: each replay reports that replay's ids.
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    MOE_CUDA_CHECK(cudaMemsetAsync(status.get(), 0, sizeof(mr::moe_status), s));
+    run_on(s);
+    MOE_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    auto replay = [&](cudaGraphExec_t e) {
+      g.fill_out(0xff);
+      MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      MOE_CUDA_CHECK(cudaGraphLaunch(e, s));
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      compare(p, g.result(p));
+    };
+    set_ids(bad);
+    for (int r = 0; r < 3; ++r) {
+      replay(exec);
+      check_status(replaced, first);
+    }
+    set_ids(one_bad);
+    replay(exec);
+    check_status(1, last);
+    set_ids(good);
+    replay(exec);
+    check_status(0, 0);
+
+    // A graph of the run alone: the status keeps counting over replays until the caller zeroes it.
+    cudaGraph_t run_graph = nullptr;
+    cudaGraphExec_t run_exec = nullptr;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    run_on(s);
+    MOE_CUDA_CHECK(cudaStreamEndCapture(s, &run_graph));
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&run_exec, run_graph, 0));
+    set_ids(bad);
+    for (int r = 1; r <= 3; ++r) {
+      replay(run_exec);
+      check_status(r * replaced, first);
+    }
+    status.zero();
+    set_ids(one_bad);
+    replay(run_exec);
+    check_status(1, last);
+
+    MOE_CUDA_CHECK(cudaGraphExecDestroy(run_exec));
+    MOE_CUDA_CHECK(cudaGraphDestroy(run_graph));
+    MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+    MOE_CUDA_CHECK(cudaStreamDestroy(s));
+  }
+}
+
+TEST_CASE("cuda_fused rejects a misaligned status word before running") {
+  std::mt19937 rng(3);
+  const problem p({4, 8, 2, odd_h, odd_i}, mr::dtype::bf16, {}, rng);
+  on_device g(p, tuning::automatic, false);
+  mr::DispatchOutput d = g.dispatch(p);
+  d.status = reinterpret_cast<mr::moe_status*>(static_cast<char*>(g.ws_buf.get()) + 2);
+  g.fill_out(0x5a);
+  CHECK_THROWS_AS(g.runner->run(d, mr::unquantized_quant_info{g.w13.view, g.w2.view}, g.out, g.ws, {}),
+                  mr::invalid_argument_error);
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  const host_tensor untouched = g.result(p);
+  for (std::size_t b = 0; b < untouched.view.bytes(); ++b)
+    REQUIRE(static_cast<const unsigned char*>(untouched.view.data)[b] == 0x5a);
+}
+
 TEST_CASE("cuda_fused matches the reference: activations") {
   for (mr::dtype t : both_types) {
     check_case({100, 8, 2, odd_h, odd_i}, t, {.act = mr::activation_kind::gelu});

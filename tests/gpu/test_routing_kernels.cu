@@ -49,6 +49,9 @@ struct routing_case {
                                        std::to_string(cfg.topk_group)
                                  : "") +
            (cfg.apply_routed_scaling_factor_on_weights ? " scaled=" + std::to_string(cfg.routed_scaling_factor) : "") +
+           (cfg.num_fused_shared_experts ? " shared=" + std::to_string(cfg.num_fused_shared_experts) + "x" +
+                                               std::to_string(cfg.fused_shared_expert_weight)
+                                         : "") +
            " data=" + std::to_string(static_cast<int>(data));
   }
 };
@@ -64,11 +67,21 @@ host_tensor make_logits(const routing_case& c, std::mt19937& rng) {
     std::uniform_int_distribution<int> col(0, c.e - 1);
     for (std::int64_t tok = 0; tok < c.m; ++tok) {
       const std::int64_t row = tok * c.e;
-      switch (tok % 5) {
+      switch (tok % 8) {
         case 0: for (int n = 0; n < 3; ++n) mr::test::set_element(t.view, row + col(rng), nan); break;
         case 1: for (int i = 0; i < c.e; ++i) mr::test::set_element(t.view, row + i, nan); break;
         case 2: mr::test::set_element(t.view, row + col(rng), inf); break;
         case 3: for (int i = 0; i < c.e; i += 2) mr::test::set_element(t.view, row + i, -inf); break;
+        case 4:  // two +inf (or one twice), a -inf and a NaN
+          mr::test::set_element(t.view, row + col(rng), inf);
+          mr::test::set_element(t.view, row + col(rng), inf);
+          mr::test::set_element(t.view, row + col(rng), -inf);
+          mr::test::set_element(t.view, row + col(rng), nan);
+          break;
+        case 5: for (int i = 0; i < c.e; ++i) mr::test::set_element(t.view, row + i, -inf); break;
+        case 6:  // no finite logit: -inf and NaN
+          for (int i = 0; i < c.e; ++i) mr::test::set_element(t.view, row + i, i % 3 == 0 ? nan : -inf);
+          break;
         default: break;  // finite row between the others
       }
     }
@@ -88,10 +101,11 @@ bool same_weight(float a, float b) {
   return (std::isnan(a) && std::isnan(b)) || std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
 }
 
-// Device topk on fresh data, outputs poisoned first, against reference::topk bit for bit.
+// Device topk on fresh data, outputs poisoned first, against reference::topk bit for bit; every
+// weight finite.
 void check_routing(const routing_case& c, std::mt19937& rng) {
   CAPTURE(c.str());
-  const int k = c.cfg.top_k;
+  const int k = mr::reference::topk_slots(c.cfg);
   host_tensor logits = make_logits(c, rng);
   host_tensor bias = make_bias(c, rng);
   host_tensor ref_w(mr::dtype::f32, {c.m, k}), ref_ids(mr::dtype::i32, {c.m, k});
@@ -110,8 +124,9 @@ void check_routing(const routing_case& c, std::mt19937& rng) {
 
   const auto w = w_buf.download<float>(static_cast<std::size_t>(c.m) * k);
   const auto ids = id_buf.download<std::int32_t>(static_cast<std::size_t>(c.m) * k);
-  int mismatches = 0;
+  int mismatches = 0, non_finite = 0;
   for (std::size_t i = 0; i < ids.size(); ++i) {
+    non_finite += std::isfinite(w[i]) ? 0 : 1;
     const float rw = ref_w.view.ptr<float>()[i];
     const std::int32_t rid = ref_ids.view.ptr<std::int32_t>()[i];
     if (ids[i] == rid && same_weight(w[i], rw)) continue;
@@ -120,6 +135,7 @@ void check_routing(const routing_case& c, std::mt19937& rng) {
                        << ", " << rw << ")");
   }
   CHECK(mismatches == 0);
+  CHECK(non_finite == 0);
 }
 
 constexpr mr::dtype logit_types[] = {mr::dtype::f32, mr::dtype::bf16, mr::dtype::f16};
@@ -197,6 +213,72 @@ TEST_CASE("topk: grouped selection (DeepSeek-V3 and other group shapes) matches 
       }
 }
 
+TEST_CASE("topk: non-finite logits route like the reference bit for bit, with every option") {
+  // NaN, +inf (one and two), -inf, and rows with no finite logit (routing/topk_rules.hpp), with
+  // softmax and sigmoid, bias, grouped top-k, renormalization, routed scaling and shared experts.
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  struct shape {
+    int e, k, groups, keep;
+  };
+  int n = 0;
+  for (const shape& sh : {shape{16, 4, 0, 0}, shape{16, 4, 4, 2}, shape{60, 6, 3, 1}, shape{256, 8, 8, 4},
+                          shape{512, 16, 0, 0}})
+    for (auto scoring : {mr::scoring_func::softmax, mr::scoring_func::sigmoid})
+      for (bool bias : {false, true})
+        for (bool renorm : {false, true})
+          for (bool scaled : {false, true}) {
+            routing_case c;
+            c.m = 40;  // five of each kind of row
+            c.e = sh.e;
+            c.cfg = {.top_k = sh.k, .scoring = scoring, .renormalize = renorm, .num_expert_group = sh.groups,
+                     .topk_group = sh.keep, .routed_scaling_factor = 2.5f,
+                     .apply_routed_scaling_factor_on_weights = scaled, .num_fused_shared_experts = n % 3 == 0 ? 1 : 0};
+            c.bias = bias;
+            c.type = logit_types[n % 3];
+            c.data = logit_data::nonfinite;
+            ++n;
+            check_routing(c, rng);
+          }
+}
+
+TEST_CASE("topk: fused shared experts match the reference bit for bit, with grouped top-k and routed scaling") {
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  struct shared_case {
+    int e, k, groups, keep;
+    mr::scoring_func scoring;
+    bool bias;
+    int shared;
+    float weight;
+  };
+  const shared_case cases[] = {
+      {256, 8, 8, 4, mr::scoring_func::sigmoid, true, 1, 1.0f},   // DeepSeek-V3 with its shared expert fused
+      {160, 6, 8, 3, mr::scoring_func::softmax, false, 2, 1.0f},  // two shared experts (DeepSeek-V2 style)
+      {128, 8, 0, 0, mr::scoring_func::softmax, false, 1, 0.5f},
+      {60, 4, 0, 0, mr::scoring_func::softmax, false, 4, 1.0f},
+      {512, 16, 0, 0, mr::scoring_func::sigmoid, true, mr::max_top_k - 16, 2.0f},  // every slot the runner takes
+  };
+  int n = 0;
+  for (const shared_case& sc : cases)
+    for (std::int64_t m : {1, 7, 1000})
+      for (bool scaled : {false, true}) {
+        routing_case c;
+        c.m = m;
+        c.e = sc.e;
+        c.cfg = {.top_k = sc.k, .scoring = sc.scoring, .renormalize = n % 4 != 3, .num_expert_group = sc.groups,
+                 .topk_group = sc.keep, .routed_scaling_factor = 2.5f, .apply_routed_scaling_factor_on_weights = scaled,
+                 .num_fused_shared_experts = sc.shared, .fused_shared_expert_weight = sc.weight};
+        c.bias = sc.bias;
+        c.type = logit_types[n % 3];
+        c.data = static_cast<logit_data>(n % 3);
+        ++n;
+        check_routing(c, rng);
+      }
+}
+
 TEST_CASE("topk: M = 0 launches nothing and still reports the scaling") {
   cudaStream_t stream;
   MOE_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -234,6 +316,12 @@ TEST_CASE("topk: bad arguments throw and write nothing") {
   CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 0}, out, nullptr), mr::invalid_argument_error);
   mr::TopKOutput wrong_k = out_for(3);
   CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 4}, wrong_k, nullptr), mr::invalid_argument_error);
+  // Outputs without room for the shared experts' slots.
+  CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 4, .num_fused_shared_experts = 1}, out, nullptr),
+                  mr::invalid_argument_error);
+  CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 3, .num_fused_shared_experts = -1}, wrong_k,
+                                nullptr),
+                  mr::invalid_argument_error);
   CHECK_THROWS_AS(mr::gpu::topk(d_logits.view, nullptr, {.top_k = 4, .num_expert_group = 3, .topk_group = 1}, out,
                                 nullptr),
                   mr::invalid_argument_error);
@@ -365,6 +453,52 @@ TEST_CASE("routing plan: bad arguments throw and write nothing") {
   CHECK_THROWS_AS(mr::gpu::routing_plan_bytes(-1, k, e), mr::invalid_argument_error);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   for (unsigned char b : ws.download<unsigned char>(ws.bytes())) REQUIRE(b == 0x5a);
+}
+
+TEST_CASE("routing plan: bad ids are added to the caller's status word, one block and tiled") {
+  // 400 slots (one block), 8000 (tiles of 1024, the bad ids in some tiles only) and 40000.
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  for (const size_case& s : {size_case{100, 4, 16}, size_case{2000, 4, 16}, size_case{5000, 8, 256}}) {
+    CAPTURE(s.m);
+    const auto n = static_cast<std::size_t>(s.m) * s.k;
+    const std::vector<std::int32_t> good = make_ids(s.m, s.k, s.e, id_pattern::filtered, rng);
+    std::vector<std::int32_t> bad = good;
+    const std::size_t at[] = {n - 1, n / 2 + 3, n / 3, n / 3 + 1};  // the lowest is n / 3
+    const std::int32_t values[] = {s.e, -2, 1 << 30, -1000};
+    for (int i = 0; i < 4; ++i) bad[at[i]] = values[i];
+    const int want_first = static_cast<int>(n / 3);
+    mr::test::device_plan d(good, s.m, s.k, s.e);
+    mr::test::device_status status;
+    auto build = [&](const std::vector<std::int32_t>& ids, mr::moe_status* st) {
+      d.ids.upload(ids);
+      d.plan = mr::gpu::build_routing_plan(d.ids_view(s.m, s.k), s.e, d.workspace.get(), d.workspace.bytes(), nullptr,
+                                           st);
+      MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    };
+    build(good, status.get());
+    CHECK(status.read().bad_slots == 0);
+    CHECK(status.read().first_bad_slot == 0);
+    build(bad, status.get());
+    check_plan(d, bad, s.e);  // the plan itself as without a status
+    CHECK(status.read().bad_slots == 4);
+    CHECK(status.read().first_bad_slot == want_first);
+    // A second bad build adds its count; the first bad slot stays the first build's.
+    std::vector<std::int32_t> earlier = good;
+    earlier[0] = s.e;
+    build(earlier, status.get());
+    CHECK(status.read().bad_slots == 5);
+    CHECK(status.read().first_bad_slot == want_first);
+    build(bad, nullptr);  // no status: nothing is added
+    CHECK(status.read().bad_slots == 5);
+    // Saturation instead of wrapping.
+    const mr::moe_status nearly_full{.bad_slots = 0x7fffffff - 2, .first_bad_slot = 9};
+    MOE_CUDA_CHECK(cudaMemcpy(status.get(), &nearly_full, sizeof nearly_full, cudaMemcpyHostToDevice));
+    build(bad, status.get());
+    CHECK(status.read().bad_slots == 0x7fffffff);
+    CHECK(status.read().first_bad_slot == 9);
+  }
 }
 
 namespace {
@@ -823,6 +957,47 @@ TEST_CASE("routing plan with schedule captured in a CUDA graph replays to the sa
     graph.replay();
     MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     check_plan_and_schedule_against_host(built, ids, g.e, g.block_m);
+  }
+  MOE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("routing plan with schedule: bad ids reach the status word under CUDA graph replay") {
+  const std::uint32_t seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  cudaStream_t stream;
+  MOE_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (const size_case& s : {size_case{7, 8, 256}, size_case{5000, 8, 256}}) {  // one block, tiles
+    CAPTURE(s.m);
+    const auto n = static_cast<std::size_t>(s.m) * s.k;
+    const std::vector<std::int32_t> good = mr::test::random_ids(s.m, s.k, s.e, 0.1, rng);
+    std::vector<std::int32_t> bad = good;
+    bad[n - 1] = -3;
+    bad[n / 2] = s.e + 5;
+    device_buffer d_ids(n * sizeof(std::int32_t));
+    const auto view = mr::tensor_view::contiguous(d_ids.get(), mr::dtype::i32, {s.m, s.k}, mr::memory_space::device);
+    device_buffer pw(mr::gpu::routing_plan_bytes(s.m, s.k, s.e)), sw(mr::gpu::tile_schedule_bytes(static_cast<std::int64_t>(n), s.e, 128));
+    mr::test::device_status status;
+    // The caller's zeroing captured with the build, as an engine captures a step.
+    const captured_run graph(stream, [&] {
+      MOE_CUDA_CHECK(cudaMemsetAsync(status.get(), 0, sizeof(mr::moe_status), stream));
+      mr::gpu::build_routing_plan_and_schedule(view, s.e, 128, pw.get(), pw.bytes(), sw.get(), sw.bytes(), stream,
+                                               false, status.get());
+    });
+    auto replay_with = [&](const std::vector<std::int32_t>& ids) {
+      d_ids.upload(ids);
+      graph.replay();
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      return status.read();
+    };
+    for (int r = 0; r < 3; ++r) {
+      const mr::moe_status st = replay_with(bad);
+      CHECK(st.bad_slots == 2);
+      CHECK(st.first_bad_slot == static_cast<int>(n / 2));
+    }
+    const mr::moe_status clean = replay_with(good);
+    CHECK(clean.bad_slots == 0);
+    CHECK(clean.first_bad_slot == 0);
   }
   MOE_CUDA_CHECK(cudaStreamDestroy(stream));
 }

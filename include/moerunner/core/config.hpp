@@ -139,6 +139,15 @@ struct topk_config {
   float routed_scaling_factor = 1.0f;
   // Fold routed_scaling_factor into topk_weights; the combine step then does not apply it again.
   bool apply_routed_scaling_factor_on_weights = false;
+  // Fused shared experts (SGLang's num_fused_shared_experts): n shared experts appended to every
+  // token's routing, so that a runner over E + n experts computes them with the routed ones.
+  // The outputs are [M, top_k + n]: slot top_k + s holds id E + s (E: the logits' columns) and
+  // the weight below, whatever the logits; renormalization covers the routed slots only.
+  int num_fused_shared_experts = 0;
+  // The factor each shared expert's output gets in the end, after routed scaling (1: added as
+  // it is, as DeepSeek and Qwen do). Where the runner applies routed_scaling_factor (not folded
+  // into the weights), the slots hold this over routed_scaling_factor (routing/topk_rules.hpp).
+  float fused_shared_expert_weight = 1.0f;
 };
 
 }  // namespace moerunner

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "moerunner/core/tensor_view.hpp"
 
@@ -15,11 +16,27 @@ struct TopKOutput {
   bool routed_scaling_applied = false;
 };
 
+// What a run found wrong on the device, in caller-owned memory (device memory for device
+// backends), readable without a synchronization inside the run (under CUDA graph replay too).
+// Runs only add to it: the caller zeroes it (cudaMemsetAsync) where a new count should start,
+// for example once per step, so one word can serve every layer of a step.
+struct moe_status {
+  // Slots (token * top_k + j) whose expert id was outside [-1, num_local_experts), left out
+  // like -1; saturates at INT32_MAX.
+  std::int32_t bad_slots = 0;
+  // The lowest such slot of the first run since the zeroing that had any; 0 while bad_slots is.
+  std::int32_t first_bad_slot = 0;
+};
+
 // What a dispatcher hands a runner core: the (local) tokens and their routing.
 struct DispatchOutput {
   tensor_view hidden_states;  // [M, H]
   tensor_view hidden_scales;  // optional per-token-group scales for quantized activations
   TopKOutput topk;
+  // Optional: where a backend that leaves bad expert ids out on the device (cuda_fused)
+  // counts them. Backends that check ids on the host (reference, cublas_grouped) reject
+  // them with invalid_argument_error instead and never write it.
+  moe_status* status = nullptr;
   std::int64_t num_tokens() const { return hidden_states.rank ? hidden_states.shape[0] : 0; }
 };
 

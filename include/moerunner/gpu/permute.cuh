@@ -15,6 +15,7 @@
 
 #include "moerunner/core/config.hpp"
 #include "moerunner/core/tensor_view.hpp"
+#include "moerunner/core/types.hpp"
 #include "moerunner/gpu/cuda_check.hpp"
 #include "moerunner/gpu/pdl_launch.cuh"
 #include "moerunner/gpu/routing_plan.hpp"
@@ -117,13 +118,16 @@ inline void launch_routing_plan(const kernels::plan_args& a, cudaStream_t stream
 // Builds the plan for topk_ids [M, k] (i32, device) over num_experts local experts in
 // `workspace` (256-byte aligned, at least routing_plan_bytes(M, k, num_experts) bytes).
 // Ids outside [-1, num_experts) count as -1 and set *plan.error_flag, which the build zeroes
-// first; read it with read_plan_error or copy it in a later stream operation. One launch up to
+// first; read it with read_plan_error or copy it in a later stream operation. With `status`
+// (device memory) they are also added to it (moe_status: never cleared here). One launch up to
 // plan_single_tile_slots slots, three above. M = 0 still writes offsets (all zero) and the flag.
 inline routing_plan build_routing_plan(const tensor_view& topk_ids, int num_experts, void* workspace,
-                                       std::size_t workspace_bytes, cudaStream_t stream) {
-  const plan_detail::plan_build b =
+                                       std::size_t workspace_bytes, cudaStream_t stream,
+                                       moe_status* status = nullptr) {
+  plan_detail::plan_build b =
       plan_detail::prepare_routing_plan(topk_ids, num_experts, workspace, workspace_bytes, "gpu::build_routing_plan",
                                         "workspace");
+  b.args.status = status;
   plan_detail::launch_routing_plan(b.args, stream);
   return b.plan;
 }
@@ -138,7 +142,8 @@ inline routing_plan carve_routing_plan(const tensor_view& topk_ids, int num_expe
 }
 
 // Copies the plan's bad-id flag to the host. SYNCHRONIZES `stream` (so it cannot be captured
-// in a graph): meant for tests and for callers that validate ids outside a captured run.
+// in a graph): meant for tests and for callers that validate ids outside a captured run; under
+// graphs, pass a moe_status to the build instead and read it asynchronously.
 inline int read_plan_error(const routing_plan& plan, cudaStream_t stream) {
   MOE_EXPECT(plan.error_flag != nullptr, "gpu::read_plan_error", "the plan has no error flag (not built)");
   std::int32_t flag = 0;

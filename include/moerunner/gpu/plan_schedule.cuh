@@ -31,11 +31,13 @@ struct plan_and_schedule {
 // Every argument is checked before anything is launched. One launch up to
 // plan_single_tile_slots slots, three above. M = 0 still writes the offsets, the flag and a
 // zero tile count. With dependent_launch the one-block kernel is a programmatic dependent
-// of the kernel before it (gpu::launch_dependent).
+// of the kernel before it (gpu::launch_dependent). Bad ids are added to `status` as
+// build_routing_plan does.
 inline plan_and_schedule build_routing_plan_and_schedule(const tensor_view& topk_ids, int num_experts, int block_m,
                                                          void* plan_workspace, std::size_t plan_bytes,
                                                          void* schedule_workspace, std::size_t schedule_bytes,
-                                                         cudaStream_t stream, bool dependent_launch = false) {
+                                                         cudaStream_t stream, bool dependent_launch = false,
+                                                         moe_status* status = nullptr) {
   constexpr const char* where = "gpu::build_routing_plan_and_schedule";
   plan_detail::plan_build b =
       plan_detail::prepare_routing_plan(topk_ids, num_experts, plan_workspace, plan_bytes, where, "plan_workspace");
@@ -46,6 +48,7 @@ inline plan_and_schedule build_routing_plan_and_schedule(const tensor_view& topk
   b.args.tile_count = s.count;
   b.args.block_m = block_m;
   b.args.tile_capacity = static_cast<int>(s.schedule.capacity);
+  b.args.status = status;
   plan_detail::launch_routing_plan(b.args, stream, dependent_launch);
   return {b.plan, s.schedule};
 }

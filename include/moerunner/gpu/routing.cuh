@@ -43,8 +43,9 @@ void launch_for_experts(const kernels::topk_params& p, cudaStream_t stream) {
 
 }  // namespace routing_launch
 
-// router_logits [M, E] (f32, f16 or bf16) -> out.topk_weights [M, k] f32, out.topk_ids [M, k] i32,
-// all on the device. E <= 512, k <= 16. One launch; M = 0 launches nothing. Capturable.
+// router_logits [M, E] (f32, f16 or bf16) -> out.topk_weights [M, k + n] f32, out.topk_ids
+// [M, k + n] i32 (n fused shared experts), all on the device. E <= 512, k <= 16. One launch;
+// M = 0 launches nothing. Capturable.
 inline void topk(const tensor_view& router_logits, const tensor_view* correction_bias, const topk_config& cfg,
                  TopKOutput& out, cudaStream_t stream) {
   reference::validate_topk(router_logits, correction_bias, cfg, out, memory_space::device, "gpu::topk");
@@ -56,6 +57,9 @@ inline void topk(const tensor_view& router_logits, const tensor_view* correction
   p.num_tokens = router_logits.shape[0];
   p.num_experts = static_cast<int>(router_logits.shape[1]);
   p.top_k = cfg.top_k;
+  p.num_shared = cfg.num_fused_shared_experts;
+  p.shared_weight = routing::shared_slot_weight(cfg.fused_shared_expert_weight,
+                                                cfg.apply_routed_scaling_factor_on_weights, cfg.routed_scaling_factor);
   // Keeping every group drops nothing, so the group ranking is skipped (same result).
   p.num_groups = cfg.num_expert_group > 0 && cfg.topk_group < cfg.num_expert_group ? cfg.num_expert_group : 0;
   p.topk_group = cfg.topk_group;

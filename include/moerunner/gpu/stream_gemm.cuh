@@ -91,9 +91,11 @@ void launch_moe_stream_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& 
                                         p.local_experts >= 1),
              where, "a schedule built in the GEMM takes 1 to " + std::to_string(kernels::local_plan_max_slots) +
                         " slots, got " + std::to_string(p.local_slots));
-  MOE_EXPECT((p.local_error == nullptr && p.local_slot_to_row == nullptr) ||
+  MOE_EXPECT((p.local_error == nullptr && p.local_status == nullptr && p.local_slot_to_row == nullptr) ||
                  (p.local_ids != nullptr && Kind != kernels::moe_gemm_kind::down),
-             where, "only GEMM1 building its own schedule writes the plan's error flag and slot_to_row");
+             where, "only GEMM1 building its own schedule writes the plan's error flag, the status and slot_to_row");
+  MOE_EXPECT(p.local_status == nullptr || p.local_error != nullptr, where,
+             "the status is written only with the plan's error flag");
   MOE_EXPECT(p.next.b == nullptr || (Kind != kernels::moe_gemm_kind::down && p.next.k > 0 && p.next.k % 8 == 0 &&
                                       p.next.n > 0 && p.next.n_tiles > 0 && p.next.bytes >= 0),
              where, "only GEMM1 asks L2 for the next GEMM's weights, and that GEMM's sizes must be set");

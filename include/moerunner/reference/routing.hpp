@@ -28,12 +28,11 @@ inline float load_as_float(const tensor_view& t, std::int64_t i) {
   return 0.0f;
 }
 
-// The warp-order sum of routing/topk_rules.hpp, emulated lane by lane. NaN terms are left
-// out, so that one NaN logit cannot turn every other expert's softmax weight into NaN.
-inline float warp_order_sum(const float* v, int n) {
+// The warp-order sum of routing/topk_rules.hpp over the eligible experts, emulated lane by lane.
+inline float warp_order_sum(const float* v, const std::vector<char>& eligible, int n) {
   std::array<float, routing::warp_lanes> lane{};
   for (int e = 0; e < n; ++e)
-    if (v[e] == v[e]) lane[e % routing::warp_lanes] = portable::add_rn(lane[e % routing::warp_lanes], v[e]);
+    if (eligible[e]) lane[e % routing::warp_lanes] = portable::add_rn(lane[e % routing::warp_lanes], v[e]);
   for (int off = routing::warp_lanes / 2; off > 0; off /= 2) {
     std::array<float, routing::warp_lanes> next{};
     for (int l = 0; l < routing::warp_lanes; ++l) next[l] = portable::add_rn(lane[l], lane[l ^ off]);
@@ -43,6 +42,9 @@ inline float warp_order_sum(const float* v, int n) {
 }
 
 }  // namespace detail
+
+// Slots per token in the outputs: the routed ones, then the fused shared experts.
+inline int topk_slots(const topk_config& cfg) { return cfg.top_k + cfg.num_fused_shared_experts; }
 
 inline void validate_topk_args(const topk_config& cfg, int num_experts, const char* where) {
   MOE_EXPECT(cfg.top_k >= 1 && cfg.top_k <= std::min(num_experts, routing::max_routing_top_k), where,
@@ -55,6 +57,15 @@ inline void validate_topk_args(const topk_config& cfg, int num_experts, const ch
              "routed_scaling_factor must be finite and positive");
   MOE_EXPECT(!scoring_name(cfg.scoring).empty(), where,
              "scoring must be softmax or sigmoid, got the value " + std::to_string(static_cast<int>(cfg.scoring)));
+  MOE_EXPECT(cfg.num_fused_shared_experts >= 0 && cfg.num_fused_shared_experts <= max_top_k - cfg.top_k, where,
+             "num_fused_shared_experts must be in [0, " + std::to_string(max_top_k) +
+                 " - top_k] (the runner takes at most " + std::to_string(max_top_k) + " slots per token), got " +
+                 std::to_string(cfg.num_fused_shared_experts));
+  if (cfg.num_fused_shared_experts > 0)
+    MOE_EXPECT(std::isfinite(routing::shared_slot_weight(cfg.fused_shared_expert_weight,
+                                                         cfg.apply_routed_scaling_factor_on_weights,
+                                                         cfg.routed_scaling_factor)),
+               where, "fused_shared_expert_weight must be finite (also over routed_scaling_factor)");
   MOE_EXPECT(cfg.num_expert_group >= 0, where,
              "num_expert_group must be at least 0 (0: no grouping), got " + std::to_string(cfg.num_expert_group));
   if (cfg.num_expert_group > 0) {
@@ -91,28 +102,36 @@ inline void validate_topk(const tensor_view& logits, const tensor_view* bias, co
   }
   check::dense(out.topk_weights, 2, dtype::f32, space, where, "topk_weights");
   check::dense(out.topk_ids, 2, dtype::i32, space, where, "topk_ids");
+  const int slots = topk_slots(cfg);
   check::dim(out.topk_weights, 0, m, where, "topk_weights");
-  check::dim(out.topk_weights, 1, cfg.top_k, where, "topk_weights");
+  check::dim(out.topk_weights, 1, slots, where, "topk_weights");
   check::dim(out.topk_ids, 0, m, where, "topk_ids");
-  check::dim(out.topk_ids, 1, cfg.top_k, where, "topk_ids");
+  check::dim(out.topk_ids, 1, slots, where, "topk_ids");
 }
 
-// Routes one token; `scores` receives the unbiased scores, ids/weights the result.
+// Routes one token; `scores` receives the unbiased scores (0 where ineligible), ids/weights
+// the token's topk_slots(cfg) results.
 inline void route_token(const float* logits, const float* bias, int num_experts, const topk_config& cfg,
                         float* scores, std::int32_t* ids, float* weights) {
   using routing::ranks_before;
   const int E = num_experts;
-  for (int i = 0; i < E; ++i) scores[i] = routing::score(logits[i], cfg.scoring);
-  if (cfg.scoring == scoring_func::softmax) {
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int i = 0; i < E; ++i) mx = std::max(mx, scores[i]);  // NaN-free max; NaN scores stay NaN below
-    for (int i = 0; i < E; ++i) scores[i] = portable::exp(portable::add_rn(scores[i], -mx));
-    const float sum = detail::warp_order_sum(scores, E);
-    for (int i = 0; i < E; ++i) scores[i] = portable::div_rn(scores[i], sum);
+  std::vector<char> eligible(E);
+  float mx = routing::minus_inf;
+  for (int i = 0; i < E; ++i) {
+    const float logit = routing::routing_logit(logits[i]);
+    eligible[i] = routing::eligible(logit);
+    scores[i] = eligible[i] ? routing::score(logit, cfg.scoring) : 0.0f;
+    if (eligible[i]) mx = std::max(mx, scores[i]);
   }
-  std::vector<float> key(scores, scores + E);
-  if (bias)
-    for (int i = 0; i < E; ++i) key[i] = portable::add_rn(scores[i], bias[i]);
+  if (cfg.scoring == scoring_func::softmax) {
+    for (int i = 0; i < E; ++i)
+      if (eligible[i]) scores[i] = routing::softmax_term(scores[i], mx);
+    const float sum = detail::warp_order_sum(scores, eligible, E);
+    for (int i = 0; i < E; ++i)
+      if (eligible[i]) scores[i] = portable::div_rn(scores[i], sum);
+  }
+  std::vector<float> key(E);
+  for (int i = 0; i < E; ++i) key[i] = routing::selection_key(eligible[i], scores[i], bias != nullptr, bias ? bias[i] : 0.0f);
 
   std::vector<char> allowed(E, 1);
   if (cfg.num_expert_group > 0) {
@@ -138,34 +157,40 @@ inline void route_token(const float* logits, const float* bias, int num_experts,
   }
 
   std::vector<char> taken(E, 0);
+  float selected_sum = 0.0f;
   for (int j = 0; j < cfg.top_k; ++j) {
     int best = -1;
     for (int i = 0; i < E; ++i)
-      if (allowed[i] && !taken[i] && (best < 0 || ranks_before(key[i], i, key[best], best))) best = i;
-    taken[best] = 1;
+      if (allowed[i] && eligible[i] && !taken[i] && (best < 0 || ranks_before(key[i], i, key[best], best))) best = i;
+    if (best >= 0) taken[best] = 1;
     ids[j] = best;
-    weights[j] = scores[best];
+    weights[j] = best >= 0 ? scores[best] : 0.0f;
+    selected_sum = portable::add_rn(selected_sum, weights[j]);
   }
-  if (cfg.renormalize) {
-    float s = 0.0f;
-    for (int j = 0; j < cfg.top_k; ++j) s = portable::add_rn(s, weights[j]);
-    for (int j = 0; j < cfg.top_k; ++j) weights[j] = portable::div_rn(weights[j], s);
+  for (int j = 0; j < cfg.top_k; ++j)
+    weights[j] = routing::routed_weight(weights[j], selected_sum, cfg.renormalize,
+                                        cfg.apply_routed_scaling_factor_on_weights, cfg.routed_scaling_factor);
+  const float shared = routing::shared_slot_weight(cfg.fused_shared_expert_weight,
+                                                   cfg.apply_routed_scaling_factor_on_weights, cfg.routed_scaling_factor);
+  for (int s = 0; s < cfg.num_fused_shared_experts; ++s) {
+    ids[cfg.top_k + s] = E + s;
+    weights[cfg.top_k + s] = shared;
   }
-  if (cfg.apply_routed_scaling_factor_on_weights)
-    for (int j = 0; j < cfg.top_k; ++j) weights[j] = portable::mul_rn(weights[j], cfg.routed_scaling_factor);
 }
 
-// router_logits [M, E] -> out.topk_weights [M, k] f32, out.topk_ids [M, k] i32, on the host.
+// router_logits [M, E] -> out.topk_weights [M, k + n] f32, out.topk_ids [M, k + n] i32 (n fused
+// shared experts), on the host.
 inline void topk(const tensor_view& router_logits, const tensor_view* correction_bias, const topk_config& cfg,
                  TopKOutput& out) {
   validate_topk(router_logits, correction_bias, cfg, out, memory_space::host, "reference::topk");
   const auto m = router_logits.shape[0];
   const int e = static_cast<int>(router_logits.shape[1]);
+  const int slots = topk_slots(cfg);
   std::vector<float> row(e), scores(e);
   for (std::int64_t t = 0; t < m; ++t) {
     for (int i = 0; i < e; ++i) row[i] = detail::load_as_float(router_logits, t * e + i);
     route_token(row.data(), correction_bias ? correction_bias->ptr<const float>() : nullptr, e, cfg, scores.data(),
-                out.topk_ids.ptr<std::int32_t>() + t * cfg.top_k, out.topk_weights.ptr<float>() + t * cfg.top_k);
+                out.topk_ids.ptr<std::int32_t>() + t * slots, out.topk_weights.ptr<float>() + t * slots);
   }
   out.routed_scaling_applied = cfg.apply_routed_scaling_factor_on_weights;
 }

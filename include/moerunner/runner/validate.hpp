@@ -2,6 +2,7 @@
 // rejected call writes nothing.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "moerunner/core/config.hpp"
@@ -33,6 +34,8 @@ inline void validate_dispatch(const MoeRunnerConfig& cfg, const DispatchOutput& 
     check::dim(d.hidden_scales, 0, m, where, "hidden_scales");
     check::dim(d.hidden_scales, 1, groups, where, "hidden_scales");
   }
+  MOE_EXPECT(reinterpret_cast<std::uintptr_t>(d.status) % alignof(moe_status) == 0, where,
+             "status must be " + std::to_string(alignof(moe_status)) + "-byte aligned");
   const dtype out_type = x.type == dtype::f8_e4m3 ? dtype::bf16 : x.type;
   if (cfg.no_combine()) {
     check::dense(out, 3, out.type, space, where, "output");

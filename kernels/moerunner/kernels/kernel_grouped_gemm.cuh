@@ -24,6 +24,7 @@
 #include <cuda_fp16.h>
 
 #include "moerunner/core/config.hpp"
+#include "moerunner/core/types.hpp"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/kernels/activation_math.cuh"
 #include "moerunner/kernels/kernel_tile_schedule.cuh"
@@ -146,6 +147,7 @@ struct moe_gemm_params {
   int local_slots = 0;
   int local_experts = 0;
   std::int32_t* local_error = nullptr;  // GEMM1: the plan's error flag, written by CTA 0
+  moe_status* local_status = nullptr;   // GEMM1, or null: the caller's status, added to by CTA 0
   std::int32_t* local_slot_to_row = nullptr;  // GEMM1, or null: the plan's slot_to_row, written by CTA 0
   // Stream GEMM1 only: the GEMM2 whose first weights its CTAs ask L2 for (next.b null: none).
   struct next_gemm {

@@ -2,9 +2,9 @@
 // by every CTA of a decode GEMM in its own shared memory from topk_ids, so that no plan kernel
 // runs before the GEMMs. The result is the plan kernel's (kernel_permute.cuh) for those ids:
 // rows sorted by (expert, slot), tiles of block_m rows in expert order, ids outside
-// [0, num_experts) left out (and an id other than -1 reported in *error_flag when given). One CTA
-// may also write the plan's slot_to_row (-1 for a slot left out), which the deterministic combine
-// reads after the GEMMs.
+// [0, num_experts) left out (and an id other than -1 reported in *error_flag and the caller's
+// moe_status when given). One CTA may also write the plan's slot_to_row (-1 for a slot left
+// out), which the deterministic combine reads after the GEMMs.
 //
 // Each slot has a thread; with at most local_plan_max_slots slots, counting by a loop over the
 // other slots in shared memory (routing/plan_rules.hpp) is a few hundred cycles, where a scan
@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
+#include "moerunner/kernels/bad_slot_report.cuh"
 #include "moerunner/routing/plan_rules.hpp"
 
 namespace moerunner::kernels {
@@ -34,10 +35,12 @@ struct local_plan {
 
 // Every thread of the block calls it (THREADS >= slots); `ids` is read through L2 (written by an
 // earlier kernel). Ends with a barrier: the plan is then visible to the whole block.
-// `error_flag` and `slot_to_row` (global, or null) are written by the calling block.
+// `error_flag`, `status` and `slot_to_row` (global, or null) are written by the calling block;
+// `status` only with `error_flag`.
 template <int THREADS>
 __device__ __forceinline__ void build_local_plan(const std::int32_t* ids, int slots, int num_experts, int block_m,
-                                                 local_plan& s, std::int32_t* error_flag, std::int32_t* slot_to_row) {
+                                                 local_plan& s, std::int32_t* error_flag, moe_status* status,
+                                                 std::int32_t* slot_to_row) {
   static_assert(THREADS >= local_plan_max_slots, "one thread per slot");
   const int t = static_cast<int>(threadIdx.x);
   int e = -1;
@@ -51,6 +54,15 @@ __device__ __forceinline__ void build_local_plan(const std::int32_t* ids, int sl
   if (error_flag != nullptr) {
     const int any_bad = __syncthreads_or(bad ? 1 : 0);
     if (t == 0) *error_flag = any_bad != 0 ? 1 : 0;
+    if (t == 0 && any_bad != 0 && status != nullptr) {  // at most local_plan_max_slots ids to reread
+      int count = 0, first = 0;
+      for (int slot = 0; slot < slots; ++slot)
+        if (bad_expert_id(__ldcg(ids + slot), num_experts)) {
+          first = count == 0 ? slot : first;
+          ++count;
+        }
+      report_bad_slots(status, count, first);
+    }
   } else {
     __syncthreads();
   }

@@ -26,6 +26,7 @@
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/gpu/routing_plan.hpp"
+#include "moerunner/kernels/bad_slot_report.cuh"
 #include "moerunner/kernels/kernel_tile_schedule.cuh"
 #include "moerunner/kernels/pdl.cuh"
 
@@ -52,6 +53,7 @@ struct plan_args {
   std::int32_t* row_to_slot = nullptr;   // [num_slots]
   std::int32_t* slot_to_row = nullptr;   // [num_slots]
   std::int32_t* error_flag = nullptr;    // [1]
+  moe_status* status = nullptr;          // the caller's, or null: bad ids are added to it
   std::int32_t* tile_counts = nullptr;   // [E, num_tiles]: counts, then exclusive prefixes over tiles
   std::int32_t* tile_errors = nullptr;   // [num_tiles]
   // The M-tile schedule, written too when `tiles` is set (not to be confused with the tiles of
@@ -187,6 +189,7 @@ __global__ void __launch_bounds__(plan_threads) build_plan_single_tile_kernel(pl
   __shared__ int s_first_tile[gpu::plan_max_experts + 1];  // schedule only
   __shared__ int s_first_row[gpu::plan_max_experts + 1];   // schedule only
   __shared__ typename block_scan::TempStorage s_scan;
+  __shared__ bad_slot_tally s_bad;
   const int tid = static_cast<int>(threadIdx.x), E = a.num_experts;
   const bool schedule = a.tiles != nullptr;
   // Launched as a programmatic dependent of the routing kernel: wait for its ids. A GEMM
@@ -236,6 +239,9 @@ __global__ void __launch_bounds__(plan_threads) build_plan_single_tile_kernel(pl
                                 m_tiles_used(permute_detail::packed_tiles(total), a.tile_capacity), a.tiles);
   const int any_bad = __syncthreads_or(bad);
   if (tid == 0) *a.error_flag = any_bad;
+  if (any_bad != 0 && a.status != nullptr)  // the same on every thread
+    report_block_bad_slots<plan_threads>(a.ids, a.num_slots, a.num_slots, 1, [](int) { return true; }, E, a.status,
+                                         s_bad);
 }
 
 // Tiled path, step 1 of 3: each tile's per-expert counts and bad-id flag.
@@ -277,6 +283,7 @@ __global__ void __launch_bounds__(plan_scan_threads, 1) plan_scan_kernel(plan_ar
   __shared__ int s_total[plan_scan_threads];
   __shared__ int s_first_tile[gpu::plan_max_experts + 1];  // schedule only
   __shared__ int s_first_row[gpu::plan_max_experts + 1];   // schedule only
+  __shared__ bad_slot_tally s_bad;
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const int E = a.num_experts, T = a.num_tiles;
 
@@ -313,6 +320,9 @@ __global__ void __launch_bounds__(plan_scan_threads, 1) plan_scan_kernel(plan_ar
   bool bad = false;
   for (int t = tid; t < T; t += plan_scan_threads) bad |= a.tile_errors[t] != 0;
   const int any_bad = __syncthreads_or(bad);
+  if (any_bad != 0 && a.status != nullptr)  // the same on every thread; only the flagged tiles are reread
+    report_block_bad_slots<plan_scan_threads>(
+        a.ids, a.num_slots, gpu::plan_tile_slots, T, [&a](int t) { return a.tile_errors[t] != 0; }, E, a.status, s_bad);
 
   unsigned long long before = 0, total = 0;
   block_scan(s_block).ExclusiveSum(permute_detail::scan_item(a, s_total[tid]), before, total);

@@ -1,8 +1,9 @@
 // Device code for top-k routing: one warp per token, lane l holding experts l, l+32, ...
 //
-// The arithmetic follows routing/topk_rules.hpp step for step (portable exp and sigmoid,
-// the warp-order softmax sum without NaN terms, the ranks_before order for every comparison),
-// so ids and weights are bit-identical to reference::route_token.
+// The arithmetic follows routing/topk_rules.hpp step for step (the non-finite logit rule,
+// portable exp and sigmoid, the warp-order softmax sum over eligible experts, the ranks_before
+// order for every comparison, the weight rules), so ids and weights are bit-identical to
+// reference::route_token.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -24,11 +25,13 @@ inline constexpr int topk_warps_per_block = 4;
 struct topk_params {
   const void* logits = nullptr;  // [M, E] of the kernel's element type
   const float* bias = nullptr;   // [E] or nullptr
-  float* weights = nullptr;      // [M, k]
-  std::int32_t* ids = nullptr;   // [M, k]
+  float* weights = nullptr;      // [M, k + num_shared]
+  std::int32_t* ids = nullptr;   // [M, k + num_shared]
   std::int64_t num_tokens = 0;
   int num_experts = 0;
   int top_k = 0;
+  int num_shared = 0;        // fused shared experts: ids E .. E + num_shared - 1 after the k routed slots
+  float shared_weight = 0;   // their slots' weight (routing::shared_slot_weight)
   int num_groups = 0;  // 0 when grouping cannot drop any expert
   int topk_group = 0;
   std::uint64_t group_magic = 0;  // ceil(2^32 / (E / num_groups)): expert e's group is (e * magic) >> 32
@@ -146,7 +149,7 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
   __shared__ float s_key[topk_warps_per_block][EPL * lanes];
   __shared__ float s_score[topk_warps_per_block][EPL * lanes];
   const int lane = static_cast<int>(threadIdx.x) % lanes, warp = static_cast<int>(threadIdx.x) / lanes;
-  const int E = p.num_experts, k = p.top_k;
+  const int E = p.num_experts, k = p.top_k, width = k + p.num_shared;
   const T* logits = static_cast<const T*>(p.logits);
   // The routing plan, launched as our programmatic dependent, may start while this runs.
   allow_dependent_grids();
@@ -156,7 +159,7 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
        t += static_cast<std::int64_t>(gridDim.x) * topk_warps_per_block) {
     const T* row = logits + t * E;
     float score[EPL], key[EPL], bias[EPL];
-    unsigned avail = 0;
+    unsigned avail = 0, eligible = 0;  // bit i: expert lane + 32 i exists / may be selected
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {  // logits and bias loaded together, ahead of any arithmetic
       const int e = lane + lanes * i;
@@ -169,33 +172,37 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
       }
     }
 #pragma unroll
-    for (int i = 0; i < EPL; ++i)
-      if ((avail >> i) & 1u) score[i] = routing::score(score[i], p.scoring);
+    for (int i = 0; i < EPL; ++i) {
+      score[i] = routing::routing_logit(score[i]);
+      if (((avail >> i) & 1u) && routing::eligible(score[i])) eligible |= 1u << i;
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) score[i] = ((eligible >> i) & 1u) ? routing::score(score[i], p.scoring) : 0.0f;
 
     if (p.scoring == scoring_func::softmax) {
-      float mx = -INFINITY;  // fmaxf skips NaN, as the reference's max does
+      float mx = routing::minus_inf;  // stays -inf only when no expert is eligible (then nothing below runs)
 #pragma unroll
       for (int i = 0; i < EPL; ++i)
-        if ((avail >> i) & 1u) mx = fmaxf(mx, score[i]);
+        if ((eligible >> i) & 1u) mx = fmaxf(mx, score[i]);
       // The max is order-free (a -0/+0 choice cannot change exp(s - max)), so a redux does.
       mx = routing_detail::from_rank_key(__reduce_max_sync(full, routing_detail::rank_key(mx)));
       float sum = 0.0f;
 #pragma unroll
       for (int i = 0; i < EPL; ++i)
-        if ((avail >> i) & 1u) {
-          score[i] = portable::exp(portable::add_rn(score[i], -mx));
-          if (score[i] == score[i]) sum = portable::add_rn(sum, score[i]);  // NaN terms are left out
+        if ((eligible >> i) & 1u) {
+          score[i] = routing::softmax_term(score[i], mx);
+          sum = portable::add_rn(sum, score[i]);
         }
       for (int off = lanes / 2; off > 0; off /= 2) sum = portable::add_rn(sum, __shfl_xor_sync(full, sum, off));
       sum = __shfl_sync(full, sum, 0);
 #pragma unroll
       for (int i = 0; i < EPL; ++i)
-        if ((avail >> i) & 1u) score[i] = portable::div_rn(score[i], sum);
+        if ((eligible >> i) & 1u) score[i] = portable::div_rn(score[i], sum);
     }
 
 #pragma unroll
     for (int i = 0; i < EPL; ++i)
-      key[i] = (p.bias != nullptr && ((avail >> i) & 1u)) ? portable::add_rn(score[i], bias[i]) : score[i];
+      key[i] = routing::selection_key(((eligible >> i) & 1u) != 0u, score[i], p.bias != nullptr, bias[i]);
     // The winners' unbiased scores are read back from shared memory by every lane.
 #pragma unroll
     for (int i = 0; i < EPL; ++i)
@@ -206,7 +213,7 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
     // k rounds: the best rank key in the warp, then the lowest expert holding it.
     unsigned rk[EPL];
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) rk[i] = ((avail >> i) & 1u) ? routing_detail::rank_key(key[i]) : 0u;
+    for (int i = 0; i < EPL; ++i) rk[i] = ((avail & eligible) >> i) & 1u ? routing_detail::rank_key(key[i]) : 0u;
     unsigned taken = 0;  // a bit mask, not writes into rk[], keeps rk[] in registers
     float sum = 0.0f, my_weight = 0.0f;
     int my_id = -1;
@@ -219,7 +226,7 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
 #pragma unroll
       for (int i = EPL - 1; i >= 0; --i)
         if (!((taken >> i) & 1u) && rk[i] == best) mine = lane + lanes * i;
-      // Validation guarantees a candidate remains (best != 0); -1 would mark none.
+      // No eligible candidate left (best == 0): the slot is filtered.
       const int wi = best != 0u ? __reduce_min_sync(full, mine) : -1;
       if (wi >= 0 && lane == wi % lanes) taken |= 1u << (wi / lanes);
       const float w = wi >= 0 ? s_score[warp][wi] : 0.0f;
@@ -230,11 +237,13 @@ __global__ void __launch_bounds__(topk_warps_per_block * routing::warp_lanes) to
       }
     }
     if (lane < k) {
-      float w = my_weight;
-      if (p.renormalize) w = portable::div_rn(w, sum);
-      if (p.apply_scaling) w = portable::mul_rn(w, p.routed_scaling);
-      p.weights[t * k + lane] = w;
-      p.ids[t * k + lane] = my_id;
+      p.weights[t * width + lane] = routing::routed_weight(my_weight, sum, p.renormalize, p.apply_scaling,
+                                                           p.routed_scaling);
+      p.ids[t * width + lane] = my_id;
+    }
+    for (int s = lane; s < p.num_shared; s += lanes) {
+      p.weights[t * width + k + s] = p.shared_weight;
+      p.ids[t * width + k + s] = E + s;
     }
     __syncwarp();  // s_score is rewritten for the next token
   }

@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(Policy::tuning.threads()) moe_stream_gemm_kern
     if (p.local_ids != nullptr) {
       const bool writes_plan = Kind != moe_gemm_kind::down && blockIdx.x == 0;
       build_local_plan<tile_t::threads>(p.local_ids, p.local_slots, p.local_experts, tile_t::bm, plan,
-                                        writes_plan ? p.local_error : nullptr,
+                                        writes_plan ? p.local_error : nullptr, writes_plan ? p.local_status : nullptr,
                                         writes_plan ? p.local_slot_to_row : nullptr);
       q.tiles = plan.tiles;
       q.tile_count = &plan.tile_count;

@@ -49,9 +49,11 @@
 //     does the output unless deterministic is set with combining (GEMM2 stores into it);
 //   - num_tokens * top_k fits in 32 bits.
 // The workspace needs no particular alignment: run aligns its pieces itself.
-// An expert id outside [-1, num_local_experts) counts as -1 (the slot contributes nothing) and
-// sets the routing plan's device-side error flag; rejecting it on the host would need a round
-// trip, which a graph-capturable backend cannot make (cublas_grouped makes it and rejects).
+// An expert id outside [-1, num_local_experts) counts as -1 (the slot contributes nothing), sets
+// the routing plan's device-side error flag and is added to DispatchOutput::status when given
+// (by the plan kernel, or by GEMM1's first CTA where the GEMMs build the schedule); rejecting it
+// on the host would need a round trip, which a graph-capturable backend cannot make
+// (cublas_grouped makes it and rejects).
 //
 // Known limits: at most gpu::plan_max_experts local experts (the routing plan's bound); the
 // stream GEMMs run M tiles of 8 rows as one mma block (a tile with one token wastes 7/8 of
@@ -294,7 +296,7 @@ class cuda_fused_policy {
     } else {
       const gpu::plan_and_schedule built = gpu::build_routing_plan_and_schedule(
           d.topk.topk_ids, cfg_.num_local_experts(), tuning.schedule_block_m(), base + lay.plan, lay.plan_bytes,
-          base + lay.schedule, lay.schedule_bytes, stream, dependent);
+          base + lay.schedule, lay.schedule_bytes, stream, dependent, d.status);
       plan = built.plan;
       schedule = built.schedule;
     }
@@ -324,6 +326,7 @@ class cuda_fused_policy {
       g1.local_slots = static_cast<int>(slots);
       g1.local_experts = cfg_.num_local_experts();
       g1.local_error = plan.error_flag;
+      g1.local_status = d.status;
       if (pl.combine_kernel) g1.local_slot_to_row = plan.slot_to_row;
     }
     const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
