@@ -385,10 +385,11 @@ struct moe_gemm_wgmma {
                                                   Value value, Up up) {
     const int rows = tile.row_end - tile.row_begin;
     const int col0 = col_base + 2 * (lane % 4);
-    // The bias of column col's gate (half 0) or up (half 1) row, or 0 without Bias.
-    const auto bias = [&](int half, int col) {
-      if constexpr (Bias) return bias_at(p, tile.expert, b_row<Kind>(p, half, col));
-      else return 0.0f;
+    // Sum v of column col's gate (half 0) or up (half 1) row plus that row's bias; v itself
+    // without Bias (no addition of zero: the bias-free epilogue is the one without biases).
+    const auto biased = [&](float v, int half, int col) {
+      if constexpr (Bias) return v + bias_at(p, tile.expert, b_row<Kind>(p, half, col));
+      else return v;
     };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -403,7 +404,7 @@ struct moe_gemm_wgmma {
             const int col = col0 + 8 * j;
             if (col < p.n)
               *reinterpret_cast<float2*>(part + col) =
-                  make_float2(value(j, 2 * h) + bias(0, col), value(j, 2 * h + 1) + bias(0, col + 1));
+                  make_float2(biased(value(j, 2 * h), 0, col), biased(value(j, 2 * h + 1), 0, col + 1));
           }
           continue;
         }
@@ -412,7 +413,7 @@ struct moe_gemm_wgmma {
           if constexpr (Bias)  // add_blocks forms every block's values, past n too: no bias read there
             add_blocks<Blocks>(t, col_base, p.n, h, lane, [&](int j, int i) {
               const int col = col0 + 8 * j + (i & 1);
-              return value(j, i) + (col < p.n ? bias(0, col) : 0.0f);
+              return col < p.n ? biased(value(j, i), 0, col) : value(j, i);
             });
           else add_blocks<Blocks>(t, col_base, p.n, h, lane, value);
           continue;
@@ -421,8 +422,8 @@ struct moe_gemm_wgmma {
         for (int j = 0; j < Blocks; ++j) {
           const int col = col0 + 8 * j;  // n is a multiple of 8: a pair is wholly in or out
           if (col >= p.n) continue;
-          const float lo = (value(j, 2 * h) + bias(0, col)) * t.factor;
-          const float hi = (value(j, 2 * h + 1) + bias(0, col + 1)) * t.factor;
+          const float lo = biased(value(j, 2 * h), 0, col) * t.factor;
+          const float hi = biased(value(j, 2 * h + 1), 0, col + 1) * t.factor;
           *reinterpret_cast<std::uint32_t*>(t.dst + col) = mma_16816<T>::pack2(lo, hi);
         }
       } else {
@@ -436,9 +437,9 @@ struct moe_gemm_wgmma {
           float v[2];
 #pragma unroll
           for (int q = 0; q < 2; ++q) {
-            const float g = value(j, 2 * h + q) * scale + bias(0, col + q);
+            const float g = biased(value(j, 2 * h + q) * scale, 0, col + q);
             if constexpr (Kind == moe_gemm_kind::gate_up)
-              v[q] = apply_activation(p.act, true, g, up(j, 2 * h + q) * scale + bias(1, col + q));
+              v[q] = apply_activation(p.act, true, g, biased(up(j, 2 * h + q) * scale, 1, col + q));
             else v[q] = apply_activation(p.act, false, g, 0.0f);
           }
           *reinterpret_cast<std::uint32_t*>(out + col) = mma_16816<T>::pack2(v[0], v[1]);
