@@ -50,7 +50,7 @@ struct moe_options {
   bool deterministic = false;
   int nan_token = -1;  // puts a NaN into this token's input (the reference sees it too)
   bool interleaved = false;     // gpt-oss: w13 and b13 rows as gate/up pairs (gate_up_layout interleaved)
-  std::optional<dtype> bias;    // gpt-oss: b13 and b2 of this dtype (f32 or the activation dtype); unset: none
+  std::optional<dtype> bias{};  // gpt-oss: b13 and b2 of this dtype (f32 or the activation dtype); unset: none
 };
 
 inline std::string describe(const moe_shape& s, dtype t, const moe_options& o) {
