@@ -96,6 +96,9 @@ struct problem_spec {
   bool fp8_input = false;  // hidden states arrive as e4m3 with per-token group scales
   float x_range = 1.0f;
   enum class ids_kind { random, one_expert } ids = ids_kind::random;
+  bool interleaved = false;  // gate_up_layout: row 2j gate j, 2j + 1 up j
+  bool bias = false;         // b13 and b2 (unquantized only)
+  mr::dtype bias_type = mr::dtype::f32;
 
   std::string str() const {
     return "M=" + std::to_string(m) + " E=" + std::to_string(e) + " local=" + std::to_string(local) +
@@ -105,7 +108,8 @@ struct problem_spec {
            (router_on_input ? " weight-on-input" : "") + (no_combine ? " no_combine" : "") +
            (inplace ? " inplace" : "") + " rsf=" + std::to_string(routed_scaling) +
            (scaling_applied ? " applied" : "") + " filtered=" + std::to_string(filtered) +
-           (fp8_input ? " fp8-input" : "");
+           (fp8_input ? " fp8-input" : "") + (interleaved ? " interleaved" : "") +
+           (bias ? " bias=" + std::string(mr::dtype_name(bias_type)) : "");
   }
 };
 
@@ -114,7 +118,7 @@ int blocks(int n) { return (n + 127) / 128; }
 struct problem {
   problem_spec s;
   mr::MoeRunnerConfig cfg;
-  host_tensor x, x_scales, w13, w2, s13, s2, weights, ids, out;
+  host_tensor x, x_scales, w13, w2, s13, s2, b13, b2, weights, ids, out;
 
   static mr::MoeRunnerConfig make_config(const problem_spec& s) {
     return mr::MoeRunnerConfig({.num_experts = s.e,
@@ -124,6 +128,7 @@ struct problem {
                                 .top_k = s.k,
                                 .act = s.act,
                                 .is_gated = s.gated,
+                                .gate_up_layout = s.interleaved ? mr::w13_layout::interleaved : mr::w13_layout::halves,
                                 .apply_router_weight_on_input = s.router_on_input,
                                 .routed_scaling_factor = s.routed_scaling,
                                 .no_combine = s.no_combine,
@@ -167,6 +172,12 @@ struct problem {
       w2 = host_tensor(s.w_type, {le, s.h, s.inter});
       mr::cpu_test::fill_uniform(w13, rng, -a13, a13);
       mr::cpu_test::fill_uniform(w2, rng, -a2, a2);
+    }
+    if (s.bias) {
+      b13 = host_tensor(s.bias_type, {le, rows});
+      b2 = host_tensor(s.bias_type, {le, s.h});
+      mr::cpu_test::fill_uniform(b13, rng, -1.0f, 1.0f);
+      mr::cpu_test::fill_uniform(b2, rng, -1.0f, 1.0f);
     }
     weights = host_tensor(mr::dtype::f32, {s.m, s.k});
     ids = host_tensor(mr::dtype::i32, {s.m, s.k});
@@ -245,18 +256,24 @@ struct problem {
           for (double& v : xin) v *= w;
         if (s.fp8 && !s.fp8_input) quantize_groups(xin);
         std::vector<double> act(inter);
+        const auto bias = [&](const host_tensor& b, int col) {
+          return s.bias ? decode(b.view, std::int64_t(ex) * b.view.shape[1] + col) : 0.0;
+        };
         for (int i = 0; i < inter; ++i) {
-          double gate = 0.0, up = 0.0;
-          for (int c = 0; c < h; ++c) gate += w13v(ex, i, c) * xin[c];
-          if (s.gated)
-            for (int c = 0; c < h; ++c) up += w13v(ex, inter + i, c) * xin[c];
+          const int gate_row = s.interleaved ? 2 * i : i, up_row = s.interleaved ? 2 * i + 1 : inter + i;
+          double gate = bias(b13, gate_row), up = 0.0;
+          for (int c = 0; c < h; ++c) gate += w13v(ex, gate_row, c) * xin[c];
+          if (s.gated) {
+            up = bias(b13, up_row);
+            for (int c = 0; c < h; ++c) up += w13v(ex, up_row, c) * xin[c];
+          }
           act[i] = naive_activation(s.act, s.gated, gate, up);
         }
         if (s.fp8) quantize_groups(act);
         const double row_scale = (s.router_on_input ? 1.0 : w) * scaling;
         const std::size_t base = static_cast<std::size_t>(s.no_combine ? t * k + j : t) * h;
         for (int r = 0; r < h; ++r) {
-          double y = 0.0;
+          double y = bias(b2, r);
           for (int i = 0; i < inter; ++i) y += w2v(ex, r, i) * act[i];
           want[base + r] += y * row_scale;
           mag[base + r] += std::fabs(y * row_scale);
@@ -294,7 +311,8 @@ void check_problem(const problem_spec& spec, std::mt19937& rng) {
     ci = runner.run(d, mr::fp8_block_quant_info{p.w13.view, p.s13.view, p.w2.view, p.s2.view}, out_view, {},
                     mr::cpu_test::host_stream());
   else
-    ci = runner.run(d, mr::unquantized_quant_info{p.w13.view, p.w2.view}, out_view, {}, mr::cpu_test::host_stream());
+    ci = runner.run(d, mr::unquantized_quant_info{p.w13.view, p.w2.view, p.b13.view, p.b2.view}, out_view, {},
+                    mr::cpu_test::host_stream());
   CHECK(ci.hidden_states.data == out_view.data);
   CHECK(ci.combined == !spec.no_combine);
   REQUIRE(static_cast<std::size_t>(out_view.numel()) == want.size());
@@ -531,6 +549,102 @@ TEST_CASE("fp8 block-scaled weights: per-token 128-group activation quantization
         }
       }
   CHECK(n == 4 * 3 * 4);
+}
+
+TEST_CASE("gpt-oss: biases on both GEMMs and interleaved gate/up rows, against a hand computation") {
+  // E = 1, k = 1, H = 2, I = 2, x = [1, 0]: row r of w13 x is w13[r][0], w2 is the identity.
+  // w13[:, 0] = [a, b, c, d] and b13 = [p, q, r, s] give gate/up pairs (a+p, c+r), (b+q, d+s)
+  // in halves order and (a+p, b+q), (c+r, d+s) interleaved; out = w * (act + b2).
+  const mr::activation act{mr::activation_kind::swiglu_clamped, 1.702f, 7.0f};
+  const auto swiglu = [&](double g, double u) {
+    g = std::min(g, 7.0);
+    u = std::clamp(u, -7.0, 7.0);
+    return (u + 1.0) * g / (1.0 + std::exp(-1.702 * g));
+  };
+  const float w13_col0[4] = {0.5f, -1.0f, 2.0f, 0.25f}, b13v[4] = {0.25f, 0.5f, -0.75f, 1.5f};
+  const float b2v[2] = {-0.5f, 2.0f};
+  const float weight = 0.75f;
+  host_tensor x(mr::dtype::f32, {1, 2}), w13(mr::dtype::f32, {1, 4, 2}), w2(mr::dtype::f32, {1, 2, 2}),
+      b13(mr::dtype::f32, {1, 4}), b2(mr::dtype::f32, {1, 2}), wts(mr::dtype::f32, {1, 1}),
+      ids(mr::dtype::i32, {1, 1}), out(mr::dtype::f32, {1, 2});
+  x.ptr<float>()[0] = 1.0f;
+  x.ptr<float>()[1] = 0.0f;
+  for (int r = 0; r < 4; ++r) {
+    w13.ptr<float>()[r * 2] = w13_col0[r];
+    w13.ptr<float>()[r * 2 + 1] = 3.0f;  // multiplies x[1] = 0
+    b13.ptr<float>()[r] = b13v[r];
+  }
+  const float identity[4] = {1.0f, 0.0f, 0.0f, 1.0f};
+  for (int i = 0; i < 4; ++i) w2.ptr<float>()[i] = identity[i];
+  b2.ptr<float>()[0] = b2v[0];
+  b2.ptr<float>()[1] = b2v[1];
+  wts.ptr<float>()[0] = weight;
+  ids.ptr<std::int32_t>()[0] = 0;
+  const double h[4] = {w13_col0[0] + b13v[0], w13_col0[1] + b13v[1], w13_col0[2] + b13v[2], w13_col0[3] + b13v[3]};
+  for (mr::w13_layout layout : {mr::w13_layout::halves, mr::w13_layout::interleaved}) {
+    CAPTURE(mr::w13_layout_name(layout));
+    const bool inter = layout == mr::w13_layout::interleaved;
+    const double want[2] = {weight * (swiglu(h[0], inter ? h[1] : h[2]) + b2v[0]),
+                            weight * (swiglu(inter ? h[2] : h[1], h[3]) + b2v[1])};
+    mr::MoeRunner<mr::reference_policy> runner(
+        "reference", mr::MoeRunnerConfig({.num_experts = 1, .hidden_size = 2, .intermediate_size = 2, .top_k = 1,
+                                          .act = act, .gate_up_layout = layout}));
+    runner.run({x.view, {}, {wts.view, ids.view}}, mr::unquantized_quant_info{w13.view, w2.view, b13.view, b2.view},
+               out.view, {}, mr::cpu_test::host_stream());
+    CHECK(out.ptr<float>()[0] == doctest::Approx(want[0]).epsilon(1e-6));
+    CHECK(out.ptr<float>()[1] == doctest::Approx(want[1]).epsilon(1e-6));
+    // Without biases: the same pairs of w13 rows alone.
+    const double g0 = w13_col0[0], u0 = inter ? w13_col0[1] : w13_col0[2];
+    runner.run({x.view, {}, {wts.view, ids.view}}, mr::unquantized_quant_info{w13.view, w2.view}, out.view, {},
+               mr::cpu_test::host_stream());
+    CHECK(out.ptr<float>()[0] == doctest::Approx(weight * swiglu(g0, u0)).epsilon(1e-6));
+  }
+  // The two layouts differ on this data, so the checks above tell them apart.
+  CHECK(swiglu(h[0], h[1]) != doctest::Approx(swiglu(h[0], h[2])));
+}
+
+TEST_CASE("gpt-oss: biases and interleaved gate/up against the naive loop, every dtype and mode") {
+  std::mt19937 rng(56);
+  int n = 0;
+  for (bool interleaved : {false, true})
+    for (bool bias : {false, true})
+      for (mr::dtype wt : float_types)
+        for (mr::dtype bt : {mr::dtype::f32, wt}) {
+          problem_spec s{.m = 33, .e = 8, .k = 2, .h = odd_sizes[n % 3], .inter = odd_sizes[(n + 1) % 3],
+                         .x_type = wt, .w_type = wt};
+          s.act = {mr::activation_kind::swiglu_clamped, 1.702f, n % 2 ? 0.75f : 7.0f};
+          s.x_range = 3.0f;
+          s.interleaved = interleaved;
+          s.bias = bias;
+          s.bias_type = bt;
+          s.filtered = n % 4 == 0 ? 0.25 : 0.0;
+          s.routed_scaling = n % 3 == 0 ? 2.5f : 1.0f;
+          ++n;
+          check_problem(s, rng);
+        }
+  // With the router weight on the input (b13 not scaled, b2 not weighted), no_combine, inplace, silu.
+  for (bool interleaved : {false, true}) {
+    problem_spec a{.m = 9, .e = 4, .k = 1, .h = 24, .inter = 40, .router_on_input = true};
+    a.interleaved = interleaved;
+    a.bias = true;
+    check_problem(a, rng);
+    problem_spec b{.m = 9, .e = 4, .k = 3, .h = 40, .inter = 24, .x_type = mr::dtype::bf16,
+                   .w_type = mr::dtype::bf16, .no_combine = true};
+    b.interleaved = interleaved;
+    b.bias = true;
+    b.bias_type = mr::dtype::bf16;
+    check_problem(b, rng);
+    problem_spec c{.m = 9, .e = 4, .k = 2, .h = 24, .inter = 72, .x_type = mr::dtype::f16,
+                   .w_type = mr::dtype::f16, .inplace = true};
+    c.interleaved = interleaved;
+    c.bias = true;
+    check_problem(c, rng);
+  }
+  // fp8 weights take the layout too (no biases in that format).
+  problem_spec f{.m = 7, .e = 4, .k = 2, .h = 128, .inter = 128, .fp8 = true};
+  f.interleaved = true;
+  f.act.kind = mr::activation_kind::swiglu_clamped;
+  check_problem(f, rng);
 }
 
 TEST_CASE("fp8 hidden states with their scales give a bf16 output") {

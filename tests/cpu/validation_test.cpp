@@ -96,6 +96,13 @@ TEST_CASE("MoeRunnerConfig rejects each invalid field with its message") {
   }
 
   p = valid_params;
+  p.gate_up_layout = static_cast<mr::w13_layout>(7);
+  expect_config_error(p, "gate_up_layout must be halves or interleaved, got 7");
+  p.gate_up_layout = mr::w13_layout::interleaved;
+  p.is_gated = false;
+  expect_config_error(p, "gate_up_layout interleaved needs is_gated = true (w13 has no up rows to interleave)");
+
+  p = valid_params;
   p.apply_router_weight_on_input = true;
   expect_config_error(p, "apply_router_weight_on_input needs top_k = 1 (the weight scales the shared input row)");
 
@@ -402,11 +409,14 @@ struct run_fixture {
   host_tensor x8{mr::dtype::f8_e4m3, {m, h}}, x8_scales{mr::dtype::f32, {m, 1}};
   host_tensor q13{mr::dtype::f8_e4m3, {e, 2 * inter, h}}, q2{mr::dtype::f8_e4m3, {e, h, inter}};
   host_tensor s13{mr::dtype::f32, {e, 1, 1}}, s2{mr::dtype::f32, {e, 1, 1}};
+  host_tensor b13{mr::dtype::f32, {e, 2 * inter}}, b2{mr::dtype::f32, {e, h}};
+  host_tensor b13_f16{mr::dtype::f16, {e, 2 * inter}}, b2_bf16{mr::dtype::bf16, {e, h}};
   std::vector<unsigned char> ws = std::vector<unsigned char>(1024);
 
   run_fixture() {
     std::mt19937 rng(3);
-    for (host_tensor* t : {&x, &wts, &w13, &w2, &s13, &s2, &x8_scales}) mr::cpu_test::fill_uniform(*t, rng, 0.1f, 1.0f);
+    for (host_tensor* t : {&x, &wts, &w13, &w2, &s13, &s2, &x8_scales, &b13, &b2, &b13_f16, &b2_bf16})
+      mr::cpu_test::fill_uniform(*t, rng, 0.1f, 1.0f);
     for (host_tensor* t : {&x8, &q13, &q2}) mr::cpu_test::fill_uniform(*t, rng, -2.0f, 2.0f);
     for (int i = 0; i < m * k; ++i) ids.ptr<std::int32_t>()[i] = i % e;
     for (host_tensor* t : {&out, &out3, &out_bf16}) mr::cpu_test::fill_sentinel(*t);
@@ -741,6 +751,68 @@ TEST_CASE("run rejects unquantized weights of the wrong shape, place or type") {
   auto ungated = run_params;
   ungated.is_gated = false;
   expect_ref_error([](rf&, rc&) {}, "w13 dimension 1 must be 4, got shape [4, 8, 8]", ungated);
+}
+
+TEST_CASE("run takes optional biases b13 [E, 2I] and b2 [E, H] in f32 or the weights' dtype") {
+  run_fixture f;
+  mr::MoeRunner<mr::reference_policy> r("reference", mr::MoeRunnerConfig(run_params));
+  run_call c = valid_call(f);
+  c.q.b13 = f.b13.view;
+  c.q.b2 = f.b2.view;
+  CHECK_NOTHROW(r.run(c.d, c.q, c.out, c.ws, mr::cpu_test::host_stream()));
+  c.q.b13 = {};  // either alone
+  CHECK_NOTHROW(r.run(c.d, c.q, c.out, c.ws, mr::cpu_test::host_stream()));
+  // A bias of the weights' 16-bit dtype beside an f32 one.
+  host_tensor w13h(mr::dtype::f16, {4, 8, 8}), w2h(mr::dtype::f16, {4, 8, 4});
+  const mr::unquantized_quant_info half{w13h.view, w2h.view, f.b13_f16.view, f.b2.view};
+  CHECK_NOTHROW(r.run(c.d, half, c.out, c.ws, mr::cpu_test::host_stream()));
+}
+
+TEST_CASE("run rejects biases of the wrong shape, dtype, place or layout before anything runs") {
+  const auto with_bias = [](rf& f, rc& c) {
+    c.q.b13 = f.b13.view;
+    c.q.b2 = f.b2.view;
+  };
+  expect_ref_error([&](rf& f, rc& c) { with_bias(f, c); c.q.b13.shape = {4, 4}; c.q.b13.strides = {4, 1}; },
+                   "b13 dimension 1 must be 8, got shape [4, 4]");
+  expect_ref_error([&](rf& f, rc& c) { with_bias(f, c); c.q.b13.shape = {2, 16}; c.q.b13.strides = {16, 1}; },
+                   "b13 dimension 0 must be 4, got shape [2, 16]");
+  expect_ref_error(
+      [&](rf& f, rc& c) {
+        with_bias(f, c);
+        c.q.b13.rank = 3;
+        c.q.b13.shape = {4, 8, 1};
+        c.q.b13.strides = {8, 1, 1};
+      },
+      "b13 must have rank 2, got shape [4, 8, 1]");
+  expect_ref_error([&](rf& f, rc& c) { with_bias(f, c); c.q.b2.shape = {4, 4}; c.q.b2.strides = {4, 1}; },
+                   "b2 dimension 1 must be 8, got shape [4, 4]");
+  expect_ref_error([&](rf& f, rc& c) { with_bias(f, c); c.q.b13 = f.b13_f16.view; },
+                   "b13 must be f32 or f32 (the weights' dtype), got f16");
+  expect_ref_error([&](rf& f, rc& c) { with_bias(f, c); c.q.b2 = f.b2_bf16.view; },
+                   "b2 must be f32 or f32 (the weights' dtype), got bf16");
+  expect_ref_error([&](rf& f, rc& c) { with_bias(f, c); c.q.b2.type = mr::dtype::i32; },
+                   "b2 must be f32 or f32 (the weights' dtype), got i32");
+  expect_ref_error([&](rf& f, rc& c) { with_bias(f, c); c.q.b13.space = mr::memory_space::device; },
+                   "b13 must live in host memory, got device");
+  expect_ref_error([&](rf& f, rc& c) { with_bias(f, c); c.q.b2.strides = {1, 4}; }, "b2 must be contiguous (row-major)");
+  expect_ref_error([&](rf& f, rc& c) { with_bias(f, c); c.q.b13.data = nullptr; }, "b13 has a null data pointer");
+  expect_ref_error(
+      [&](rf& f, rc& c) {
+        with_bias(f, c);
+        c.q.b2.data = static_cast<char*>(c.q.b2.data) + 2;
+      },
+      "b2 must be 4-byte aligned");
+  // An ungated w13 has I rows, and b13 with it.
+  auto ungated = run_params;
+  ungated.is_gated = false;
+  expect_ref_error(
+      [&](rf& f, rc& c) {
+        c.q.w13.shape = {4, 4, 8};
+        c.q.w13.strides = {32, 8, 1};
+        with_bias(f, c);
+      },
+      "b13 dimension 1 must be 4, got shape [4, 8]", ungated);
 }
 
 TEST_CASE("run rejects fp8 weights or scales of the wrong shape or type") {

@@ -1,11 +1,13 @@
 // The conformance suite every GPU policy must pass against the CPU reference:
 // random shapes and edge cases, poisoned outputs, per-dtype error bounds, NaN
-// isolation, CUDA-graph replay and run-to-run bitwise determinism.
+// isolation, CUDA-graph replay and run-to-run bitwise determinism, and gpt-oss checkpoints
+// (biases on both GEMMs, interleaved gate/up rows).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 
 #include "gpu_test_util.hpp"
@@ -80,6 +82,49 @@ void conformance_cases() {
   }
 }
 
+// gpt-oss checkpoints: biases on both GEMMs (f32 or the activation dtype, or none) and gate/up
+// rows interleaved or in halves, with the clamped swiglu (a limit the sums reach), at odd sizes
+// and token counts that run each of cuda_fused's automatic GEMM families on an H200 (the stream
+// GEMMs at 1 and 8 tokens, the wgmma tiles from 64 up), then the decode K split and the modes.
+template <class P>
+void gpt_oss_cases() {
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  const mr::dtype types[] = {mr::dtype::bf16, mr::dtype::f16};
+  const auto swiglu = mr::activation_kind::swiglu_clamped;
+  for (mr::dtype t : types) {
+    const std::optional<mr::dtype> biases[] = {std::nullopt, mr::dtype::f32, t};
+    SUBCASE("gpt-oss layouts and biases over the token counts") {
+      for (bool interleaved : {false, true})
+        for (const std::optional<mr::dtype>& bias : biases)
+          for (int m : {1, 8, 64, 512, 1024})
+            check_case<P>({m, 8, 4, 200, 72}, t, {.act = swiglu, .limit = 1.5f, .interleaved = interleaved, .bias = bias},
+                          rng);
+    }
+    SUBCASE("gpt-oss at decode with K split, and the combine modes") {
+      for (bool interleaved : {false, true}) {
+        check_case<P>({1, 8, 2, 520, 2048}, t, {.act = swiglu, .interleaved = interleaved, .bias = mr::dtype::f32}, rng);
+        check_case<P>({3, 16, 4, 264, 1032}, t, {.act = swiglu, .interleaved = interleaved, .bias = t}, rng);
+        check_case<P>({2, 8, 2, 520, 2048}, t,
+                      {.act = swiglu, .ids = ids_kind::random_filtered, .deterministic = true,
+                       .interleaved = interleaved, .bias = t},
+                      rng);
+        check_case<P>({33, 8, 2, 128, 64}, t,
+                      {.act = swiglu, .no_combine = true, .scaling = 2.5f, .interleaved = interleaved,
+                       .bias = mr::dtype::f32},
+                      rng);
+        check_case<P>({33, 8, 1, 128, 64}, t,
+                      {.act = swiglu, .weight_on_input = true, .interleaved = interleaved, .bias = t}, rng);
+        check_case<P>({96, 8, 2, 128, 64}, t,
+                      {.ids = ids_kind::filtered, .deterministic = true, .interleaved = interleaved,
+                       .bias = mr::dtype::f32},
+                      rng);
+      }
+    }
+  }
+}
+
 // A NaN in one token's input must reach that token's output and no other.
 template <class P>
 void nan_isolation() {
@@ -144,6 +189,10 @@ TEST_CASE_TEMPLATE("conformance against the reference", P, mr::cuda_fused_policy
   conformance_cases<P>();
 }
 
+TEST_CASE_TEMPLATE("gpt-oss checkpoints against the reference", P, mr::cuda_fused_policy, mr::cublas_grouped_policy) {
+  gpt_oss_cases<P>();
+}
+
 TEST_CASE_TEMPLATE("NaN stays in its token", P, mr::cuda_fused_policy, mr::cublas_grouped_policy) {
   nan_isolation<P>();
 }
@@ -167,6 +216,19 @@ TEST_CASE_TEMPLATE("rejected calls write nothing", P, mr::cuda_fused_policy, mr:
   mr::DispatchOutput host_d{p.x.view, {}, {p.weights.view, p.ids.view, false}};
   CHECK_THROWS_AS(g.runner->run(host_d, mr::unquantized_quant_info{g.w13.view, g.w2.view}, g.out, g.ws, {}),
                   mr::invalid_argument_error);
+  // Biases of the wrong shape, dtype or memory space.
+  mr::test::device_tensor b13(host_tensor(mr::dtype::f32, {8, 128})), b2(host_tensor(mr::dtype::f32, {8, 128}));
+  mr::test::device_tensor b13_f16(host_tensor(mr::dtype::f16, {8, 128}));
+  host_tensor b2_host(mr::dtype::f32, {8, 128});
+  const auto with_bias = [&](const mr::tensor_view& b13v, const mr::tensor_view& b2v) {
+    return g.runner->run(d, mr::unquantized_quant_info{g.w13.view, g.w2.view, b13v, b2v}, g.out, g.ws, {});
+  };
+  mr::tensor_view b13_short = b13.view;
+  b13_short.shape[1] = 64;  // [E, I] where the gated w13 has 2I rows
+  b13_short.strides[0] = 64;
+  CHECK_THROWS_AS(with_bias(b13_short, b2.view), mr::invalid_argument_error);
+  CHECK_THROWS_AS(with_bias(b13_f16.view, b2.view), mr::invalid_argument_error);
+  CHECK_THROWS_AS(with_bias(b13.view, b2_host.view), mr::invalid_argument_error);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   const auto bytes = g.out_buf.template download<unsigned char>(g.out_buf.bytes());
   for (unsigned char b : bytes) REQUIRE(b == 0x5a);

@@ -49,6 +49,8 @@ struct moe_options {
   bool scaling_in_weights = false;
   bool deterministic = false;
   int nan_token = -1;  // puts a NaN into this token's input (the reference sees it too)
+  bool interleaved = false;     // gpt-oss: w13 and b13 rows as gate/up pairs (gate_up_layout interleaved)
+  std::optional<dtype> bias{};  // gpt-oss: b13 and b2 of this dtype (f32 or the activation dtype); unset: none
 };
 
 inline std::string describe(const moe_shape& s, dtype t, const moe_options& o) {
@@ -59,7 +61,8 @@ inline std::string describe(const moe_shape& s, dtype t, const moe_options& o) {
          (o.weight_on_input ? " weight_on_input" : "") + (o.inplace ? " inplace" : "") +
          " scaling=" + std::to_string(o.scaling) + (o.scaling_in_weights ? " (in weights)" : "") +
          (o.deterministic ? " deterministic" : "") +
-         (o.nan_token >= 0 ? " nan_token=" + std::to_string(o.nan_token) : "");
+         (o.nan_token >= 0 ? " nan_token=" + std::to_string(o.nan_token) : "") +
+         (o.interleaved ? " interleaved" : "") + (o.bias ? " bias=" + std::string(dtype_name(*o.bias)) : "");
 }
 
 // A random problem on the host with its reference output.
@@ -69,6 +72,7 @@ struct moe_problem {
   moe_options opt;
   MoeRunnerConfig cfg;
   host_tensor x, w13, w2, weights, ids, ref;
+  host_tensor b13, b2;  // empty without biases
 
   moe_problem(const moe_shape& sh, dtype t, const moe_options& o, std::mt19937& rng)
       : s(sh),
@@ -80,6 +84,7 @@ struct moe_problem {
                               .top_k = sh.k,
                               .act = {.kind = o.act, .limit = o.limit},
                               .is_gated = o.gated,
+                              .gate_up_layout = o.interleaved ? w13_layout::interleaved : w13_layout::halves,
                               .apply_router_weight_on_input = o.weight_on_input,
                               .routed_scaling_factor = o.scaling,
                               .no_combine = o.no_combine,
@@ -94,22 +99,35 @@ struct moe_problem {
     fill_random(x, rng, 1.0f);
     fill_random(w13, rng, 2.0f / std::sqrt(static_cast<float>(sh.h)));
     fill_random(w2, rng, 2.0f / std::sqrt(static_cast<float>(sh.i)));
+    if (o.bias) {
+      // Of the order of the GEMM sums, so that a missing, doubled or misplaced bias shows.
+      b13 = host_tensor(*o.bias, {sh.e, cfg.w13_rows()});
+      b2 = host_tensor(*o.bias, {sh.e, sh.h});
+      fill_random(b13, rng, 1.0f);
+      fill_random(b2, rng, 1.0f);
+    }
     if (o.nan_token >= 0) set_element(x.view, static_cast<std::int64_t>(o.nan_token) * sh.h + sh.h / 3, NAN);
     route(rng);
     ref = o.no_combine ? host_tensor(t, {sh.m, sh.k, sh.h}) : host_tensor(t, {sh.m, sh.h});
     MoeRunner<reference_policy> runner("reference", cfg);
     if (o.inplace) {
       host_tensor xin = x;
-      runner.run(DispatchOutput{xin.view, {}, topk(weights.view, ids.view)}, unquantized_quant_info{w13.view, w2.view},
-                 xin.view, {}, {});
+      runner.run(DispatchOutput{xin.view, {}, topk(weights.view, ids.view)}, quant_info(w13, w2, b13, b2), xin.view,
+                 {}, {});
       std::memcpy(ref.view.data, xin.view.data, ref.view.bytes());
     } else {
-      runner.run(DispatchOutput{x.view, {}, topk(weights.view, ids.view)}, unquantized_quant_info{w13.view, w2.view},
-                 ref.view, {}, {});
+      runner.run(DispatchOutput{x.view, {}, topk(weights.view, ids.view)}, quant_info(w13, w2, b13, b2), ref.view,
+                 {}, {});
     }
   }
 
   TopKOutput topk(const tensor_view& w, const tensor_view& i) const { return {w, i, opt.scaling_in_weights}; }
+
+  // The weights (host or device copies) as the runner takes them; a bias left empty is none.
+  template <class Tensor>
+  static unquantized_quant_info quant_info(const Tensor& w13, const Tensor& w2, const Tensor& b13, const Tensor& b2) {
+    return {w13.view, w2.view, b13.view, b2.view};
+  }
 
   void route(std::mt19937& rng) {
     host_tensor logits(dtype::f32, {s.m, s.e});
@@ -150,6 +168,7 @@ template <class Policy>
 struct moe_on_device {
   using runner_t = MoeRunner<reference_policy, Policy>;
   device_tensor x, w13, w2, weights, ids;
+  device_tensor b13, b2;  // empty views without biases
   device_buffer out_buf, ws_buf;
   tensor_view out;  // out_buf, or x's copy when the problem runs in place
   std::optional<runner_t> runner;
@@ -160,6 +179,10 @@ struct moe_on_device {
   // With another config for the same problem (e.g. the combine mode switched).
   moe_on_device(const moe_problem& p, const MoeRunnerConfig& cfg, std::size_t ws_misalign)
       : x(p.x), w13(p.w13), w2(p.w2), weights(p.weights), ids(p.ids) {
+    if (p.opt.bias) {
+      b13 = device_tensor(p.b13);
+      b2 = device_tensor(p.b2);
+    }
     runner.emplace(std::string(Policy::name), cfg);
     if (p.opt.inplace) {
       out = x.view;
@@ -183,7 +206,7 @@ struct moe_on_device {
   DispatchOutput dispatch(const moe_problem& p) const { return {x.view, {}, p.topk(weights.view, ids.view)}; }
 
   void launch(const moe_problem& p, cudaStream_t stream) {
-    runner->run(dispatch(p), unquantized_quant_info{w13.view, w2.view}, out, ws, cuda::stream_ref(stream));
+    runner->run(dispatch(p), moe_problem::quant_info(w13, w2, b13, b2), out, ws, cuda::stream_ref(stream));
   }
 
   // Every byte of the output set to `byte` (0xff: NaN in bf16 and f16, so an unwritten element fails).

@@ -217,6 +217,29 @@ TEST_CASE("cuda_fused matches the reference: decode, K split over CTAs") {
   }
 }
 
+TEST_CASE("cuda_fused matches the reference: gpt-oss biases and interleaved gate/up on every GEMM tuning") {
+  // Every tuning in both combine modes: the mma.sync, stream and wgmma epilogues add the biases,
+  // their B loads (cp.async by row, TMA by the 4D map) read the interleaved rows; at decode the
+  // wgmma GEMM2 splits K into the output or into f32 parts, one range adding b2.
+  const auto swiglu = mr::activation_kind::swiglu_clamped;
+  for (mr::dtype t : both_types)
+    for (bool interleaved : {false, true}) {
+      const std::optional<mr::dtype> biases[] = {std::nullopt, mr::dtype::f32, t};
+      for (const std::optional<mr::dtype>& bias : biases) {
+        const options o{.act = swiglu, .limit = 1.5f, .interleaved = interleaved, .bias = bias};
+        check_case({1, 8, 4, odd_h, odd_i}, t, o);
+        check_case({64, 8, 4, odd_h, odd_i}, t, o);
+        check_case({300, 8, 2, 520, 264}, t, o);  // several N tiles in both GEMMs, a partial last one
+      }
+      check_case({1, 8, 2, 520, 2048}, t, {.act = swiglu, .interleaved = interleaved, .bias = mr::dtype::f32});
+      check_case({3, 16, 4, 264, 1032}, t, {.act = swiglu, .interleaved = interleaved, .bias = t});
+      check_case({4, 8, 2, 520, 2048}, t, {.inplace = true, .interleaved = interleaved, .bias = t});
+      check_case({33, 8, 1, 128, 64}, t, {.weight_on_input = true, .interleaved = interleaved, .bias = mr::dtype::f32});
+      check_case({33, 8, 2, 128, 64}, t,
+                 {.act = swiglu, .no_combine = true, .scaling = 2.5f, .interleaved = interleaved, .bias = t});
+    }
+}
+
 TEST_CASE("cuda_fused matches the reference: raster bands forced") {
   // Bands of 1 (N tiles fastest) and 3 M tiles (partial last bands) walk the same work as the
   // default 8 in another order.

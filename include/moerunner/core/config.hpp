@@ -32,6 +32,25 @@ struct activation {
   float limit = 7.0f;
 };
 
+// How w13[e] ([2I, H]) orders the gate and up rows, and b13[e] its 2I values alike: halves
+// (rows 0..I-1 gate, I..2I-1 up) or interleaved (row 2j gate j, row 2j+1 up j, as SGLang and
+// vLLM load gpt-oss checkpoints).
+enum class w13_layout : std::uint8_t { halves, interleaved };
+
+constexpr std::string_view w13_layout_name(w13_layout l) {
+  switch (l) {
+    case w13_layout::halves: return "halves";
+    case w13_layout::interleaved: return "interleaved";
+  }
+  return "?";
+}
+
+// The row of w13[e] (and the column of b13[e]) holding gate (half 0) or up (half 1) value j
+// of an expert with `inter` = I intermediate values.
+constexpr std::int64_t w13_row(w13_layout l, int half, std::int64_t j, std::int64_t inter) {
+  return l == w13_layout::interleaved ? 2 * j + half : half * inter + j;
+}
+
 // Plain aggregate for designated initializers; MoeRunnerConfig validates it.
 struct moe_config_params {
   int num_experts = 0;
@@ -41,6 +60,7 @@ struct moe_config_params {
   int top_k = 0;
   activation act{};
   bool is_gated = true;  // w13 holds gate and up rows [2I, H]; false means w1 only [I, H]
+  w13_layout gate_up_layout = w13_layout::halves;  // interleaved needs is_gated
   bool apply_router_weight_on_input = false;
   float routed_scaling_factor = 1.0f;
   bool no_combine = false;  // leave the [M, k, H] rows uncombined
@@ -69,6 +89,7 @@ class MoeRunnerConfig {
   int top_k() const { return p_.top_k; }
   const activation& act() const { return p_.act; }
   bool is_gated() const { return p_.is_gated; }
+  w13_layout gate_up_layout() const { return p_.gate_up_layout; }
   bool apply_router_weight_on_input() const { return p_.apply_router_weight_on_input; }
   float routed_scaling_factor() const { return p_.routed_scaling_factor; }
   bool no_combine() const { return p_.no_combine; }
@@ -110,6 +131,11 @@ class MoeRunnerConfig {
       MOE_EXPECT(std::isfinite(p_.act.limit) && p_.act.limit > 0.0f, where,
                  "swiglu_clamped limit must be finite and positive");
     }
+    MOE_EXPECT(p_.gate_up_layout == w13_layout::halves || p_.gate_up_layout == w13_layout::interleaved, where,
+               "gate_up_layout must be halves or interleaved, got " +
+                   std::to_string(static_cast<int>(p_.gate_up_layout)));
+    MOE_EXPECT(p_.is_gated || p_.gate_up_layout == w13_layout::halves, where,
+               "gate_up_layout interleaved needs is_gated = true (w13 has no up rows to interleave)");
     MOE_EXPECT(!p_.apply_router_weight_on_input || p_.top_k == 1, where,
                "apply_router_weight_on_input needs top_k = 1 (the weight scales the shared input row)");
     MOE_EXPECT(!(p_.inplace && p_.no_combine), where, "inplace and no_combine exclude each other");

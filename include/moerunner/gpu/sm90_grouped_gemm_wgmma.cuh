@@ -45,26 +45,37 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// The weights [E, rows_per_expert, k] as a 3D map [E * rows_per_expert / n, n, k], so that
-// a box never crosses from gate rows into up rows or into the next expert: rows past n and
-// columns past k read as zeros. Boxes are box_rows rows x 64 elements (128 bytes, one
-// swizzle row).
+// The weights [E, rows_per_expert, k], rows_per_expert = halves * n, as a 4D map whose element
+// (c, j, h, e) is column c of row j of half h (gate 0, up 1) of expert e, so that a box never
+// crosses from gate rows into up rows or into the next expert: rows past n and columns past k
+// read as zeros. Halves (row h * n + j) map as {k, n, halves, E}; interleaved gate/up rows (row
+// 2j + h) as {k, 2, n, E}, the half before the row so that the strides still grow with the
+// dimension. Boxes are box_rows rows x 64 elements (128 bytes, one swizzle row) of one half of
+// one expert, laid out in shared memory alike in both orders.
 template <class T>
 CUtensorMap weight_tensor_map(const T* b, std::int64_t rows_per_expert, int n, int k, int num_experts,
-                              int box_rows = 128) {
+                              bool interleaved = false, int box_rows = 128) {
   constexpr const char* where = "gpu::weight_tensor_map";
-  MOE_EXPECT(n > 0 && rows_per_expert % n == 0, where, "rows per expert must be a whole number of n-row blocks");
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(n),
-                              static_cast<cuuint64_t>(rows_per_expert / n) * static_cast<cuuint64_t>(num_experts)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(k) * sizeof(T),
-                                 static_cast<cuuint64_t>(n) * static_cast<cuuint64_t>(k) * sizeof(T)};
+  MOE_EXPECT(n > 0 && (rows_per_expert == n || rows_per_expert == 2 * static_cast<std::int64_t>(n)), where,
+             "rows per expert must be n or 2n (gate and up halves)");
+  MOE_EXPECT(!interleaved || rows_per_expert == 2 * static_cast<std::int64_t>(n), where,
+             "interleaved gate/up rows need 2n rows per expert");
+  const auto halves = static_cast<cuuint64_t>(rows_per_expert / n);
+  const auto row_bytes = static_cast<cuuint64_t>(k) * sizeof(T);
+  const cuuint64_t expert_bytes = static_cast<cuuint64_t>(rows_per_expert) * row_bytes;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(k), interleaved ? 2 : static_cast<cuuint64_t>(n),
+                              interleaved ? static_cast<cuuint64_t>(n) : halves,
+                              static_cast<cuuint64_t>(num_experts)};
+  const cuuint64_t strides[3] = {row_bytes, interleaved ? 2 * row_bytes : static_cast<cuuint64_t>(n) * row_bytes,
+                                 expert_bytes};
   MOE_EXPECT(box_rows > 0 && box_rows <= 256 && box_rows % 8 == 0, where, "box_rows must be a multiple of 8 up to 256");
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const cuuint32_t box[4] = {64, interleaved ? 1 : static_cast<cuuint32_t>(box_rows),
+                             interleaved ? static_cast<cuuint32_t>(box_rows) : 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   constexpr CUtensorMapDataType type = std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                                         : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   CUtensorMap map{};
-  const CUresult r = tensor_map_encoder()(&map, type, 3, const_cast<T*>(b), dims, strides, box, element_strides,
+  const CUresult r = tensor_map_encoder()(&map, type, 4, const_cast<T*>(b), dims, strides, box, element_strides,
                                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
@@ -173,8 +184,10 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   MOE_EXPECT(p.k > 0 && p.k % 8 == 0 && p.n > 0 && p.n % 8 == 0, where,
              "the GEMM's n and k must be positive multiples of 8");
   if (schedule.capacity == 0) return;
+  MOE_EXPECT(!p.interleaved || Kind == kernels::moe_gemm_kind::gate_up, where,
+             "only the gated GEMM1 reads interleaved gate/up rows");
   const CUtensorMap map =
-      weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts, tuning.block_n / 2);
+      weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts, p.interleaved, tuning.block_n / 2);
   const int places = prepare_wgmma_gemm<T, Policy, Kind>(dev);
   constexpr int cols = kernels::moe_gemm_wgmma<T, Policy, Kind>::out_cols;
   const std::int64_t n_tiles = (p.n + cols - 1) / cols;

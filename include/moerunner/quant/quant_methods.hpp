@@ -17,7 +17,7 @@ struct unquantized_method {
   template <class P>
     requires concept_parts::runs_with<P, unquantized_quant_info>
   unquantized_quant_info get_moe_quant_info(const moe_weights& w, backend_tag<P>) const {
-    return {w.w13, w.w2};
+    return {w.w13, w.w2, w.b13, w.b2};
   }
 };
 

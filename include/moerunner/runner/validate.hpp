@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "moerunner/core/config.hpp"
@@ -63,15 +64,32 @@ inline void validate_dispatch(const MoeRunnerConfig& cfg, const DispatchOutput& 
   }
 }
 
+// A contiguous tensor of shape `dims` in `space` with a pointer unless empty.
+inline void validate_shape(const tensor_view& t, std::initializer_list<std::int64_t> dims, memory_space space,
+                           const char* where, const char* what) {
+  check::rank(t, static_cast<int>(dims.size()), where, what);
+  check::space(t, space, where, what);
+  check::contiguous(t, where, what);
+  check::non_null(t, where, what);
+  int d = 0;
+  for (std::int64_t n : dims) check::dim(t, d++, n, where, what);
+}
+
 inline void validate_weight(const tensor_view& w, std::int64_t e, std::int64_t rows, std::int64_t cols,
                             memory_space space, const char* where, const char* what) {
-  check::rank(w, 3, where, what);
-  check::space(w, space, where, what);
-  check::contiguous(w, where, what);
-  check::non_null(w, where, what);
-  check::dim(w, 0, e, where, what);
-  check::dim(w, 1, rows, where, what);
-  check::dim(w, 2, cols, where, what);
+  validate_shape(w, {e, rows, cols}, space, where, what);
+}
+
+// An optional per-expert bias [e, cols]: an empty view passes; otherwise f32 or `weight_type`,
+// contiguous, aligned to its element, in `space`.
+inline void validate_bias(const tensor_view& b, std::int64_t e, std::int64_t cols, dtype weight_type,
+                          memory_space space, const char* where, const char* what) {
+  if (b.empty_view()) return;
+  validate_shape(b, {e, cols}, space, where, what);
+  MOE_EXPECT(b.type == dtype::f32 || b.type == weight_type, where,
+             std::string(what) + " must be f32 or " + std::string(dtype_name(weight_type)) +
+                 " (the weights' dtype), got " + std::string(dtype_name(b.type)));
+  check::aligned(b, dtype_size(b.type), where, what);
 }
 
 inline void validate_quant_info(const MoeRunnerConfig& cfg, const unquantized_quant_info& q, memory_space space,
@@ -81,6 +99,8 @@ inline void validate_quant_info(const MoeRunnerConfig& cfg, const unquantized_qu
   MOE_EXPECT(is_activation_dtype(q.w13.type), where,
              "unquantized w13 must be f32, f16 or bf16, got " + std::string(dtype_name(q.w13.type)));
   MOE_EXPECT(q.w2.type == q.w13.type, where, "w2 and w13 must have the same dtype");
+  validate_bias(q.b13, cfg.num_local_experts(), cfg.w13_rows(), q.w13.type, space, where, "b13");
+  validate_bias(q.b2, cfg.num_local_experts(), cfg.hidden_size(), q.w13.type, space, where, "b2");
 }
 
 inline void validate_quant_info(const MoeRunnerConfig& cfg, const fp8_block_quant_info& q, memory_space space,

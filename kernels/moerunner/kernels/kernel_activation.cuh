@@ -13,12 +13,13 @@
 
 namespace moerunner::kernels {
 
-// in [R, 2I] (gate columns, then up columns) or [R, I] when !gated; out [R, I]; f32 math.
-// Each thread handles VEC consecutive columns; rows past the valid count end the block.
+// in [R, 2I] (gate columns, then up columns; interleaved: column 2i gate i, 2i + 1 up i) or
+// [R, I] when !gated; out [R, I]; f32 math. Each thread handles VEC consecutive columns; rows
+// past the valid count end the block.
 template <class T, int VEC>
 __global__ void gated_activation_kernel(const T* __restrict__ in, T* __restrict__ out, int inter, bool gated,
-                                        activation act, std::int64_t chunks_per_row, std::int64_t num_blocks,
-                                        const std::int32_t* __restrict__ valid_rows) {
+                                        bool interleaved, activation act, std::int64_t chunks_per_row,
+                                        std::int64_t num_blocks, const std::int32_t* __restrict__ valid_rows) {
   const std::int64_t valid = *valid_rows;
   const std::int64_t in_stride = gated ? 2 * static_cast<std::int64_t>(inter) : inter;
   for (std::int64_t b = blockIdx.x; b < num_blocks; b += gridDim.x) {
@@ -28,10 +29,20 @@ __global__ void gated_activation_kernel(const T* __restrict__ in, T* __restrict_
     if (c >= inter) continue;
     const T* src = in + row * in_stride + c;
     float gate[VEC], up[VEC], y[VEC];
-    load_f32<VEC>(src, gate);
-    if (gated) {
+    if (interleaved) {
+      float pairs[2][VEC];  // the 2 VEC values from column 2c on
+      load_f32<VEC>(in + row * in_stride + 2 * c, pairs[0]);
+      load_f32<VEC>(in + row * in_stride + 2 * c + VEC, pairs[1]);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        gate[i] = pairs[(2 * i) / VEC][(2 * i) % VEC];
+        up[i] = pairs[(2 * i + 1) / VEC][(2 * i + 1) % VEC];
+      }
+    } else if (gated) {
+      load_f32<VEC>(src, gate);
       load_f32<VEC>(src + inter, up);
     } else {
+      load_f32<VEC>(src, gate);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) up[i] = 0.0f;
     }

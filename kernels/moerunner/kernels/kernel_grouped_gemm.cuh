@@ -3,9 +3,9 @@
 // kernel_tile_schedule.cuh builds from the routing plan.
 //
 //   moe_grouped_gemm_kernel<T, tuning, kind>: persistent CTAs stride over (M tile, N tile)
-//     gate_up / up_only (GEMM1): A row r = x[row_to_slot[r] / k], epilogue = activation -> act [R, I]
-//     down (GEMM2): A = act rows [R, I] in row order, epilogue per down_store: rows [R, H], the
-//       output's [token, slot] rows, or atomic adds into the output's token rows
+//     gate_up / up_only (GEMM1): A row r = x[row_to_slot[r] / k], epilogue = (+ b13) activation -> act [R, I]
+//     down (GEMM2): A = act rows [R, I] in row order, epilogue (+ b2) per down_store: rows [R, H],
+//       the output's [token, slot] rows, or atomic adds into the output's token rows
 // The parameters, work order and epilogue helpers here are shared with the wgmma kernels.
 //
 // Written by hand rather than with CUTLASS because the A gather, the gate/up pairing inside
@@ -28,6 +28,7 @@
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/kernels/activation_math.cuh"
 #include "moerunner/kernels/kernel_tile_schedule.cuh"
+#include "moerunner/kernels/vector_io.cuh"
 
 namespace moerunner::kernels {
 
@@ -106,7 +107,7 @@ struct mma_16816<__half> {
 // Grouped GEMM
 
 enum class moe_gemm_kind : std::uint8_t {
-  gate_up,  // GEMM1, gated: B = w13[e] ([2I, H]); C tile pairs gate column i with up column I + i
+  gate_up,  // GEMM1, gated: B = w13[e] ([2I, H]); C tile pairs gate column i with up column i (b_row)
   up_only,  // GEMM1, not gated: B = w13[e] ([I, H])
   down,     // GEMM2: B = w2[e] ([H, I]); A = act rows in row order
 };
@@ -131,6 +132,11 @@ struct moe_gemm_params {
   int raster_band = 1;                  // M tiles that walk the N tiles together (decode_work_item)
   const float* input_weights;           // GEMM1 with apply_router_weight_on_input: topk_weights [M*k]; else null
   activation act;
+  bool interleaved = false;             // gate_up: B row 2j is gate j, 2j + 1 up j (else rows j and n + j)
+  // Per-expert bias [E, b_rows_per_expert] indexed as B's rows (f32, or T unless bias_f32), added
+  // to the f32 sums in the epilogue (GEMM2: by exactly one K range); null: none.
+  const void* bias = nullptr;
+  bool bias_f32 = false;
   // GEMM2 only.
   down_store store = down_store::rows;
   const float* out_weights = nullptr;  // slots / accumulate: topk_weights [M*k], or null when applied on the input
@@ -164,6 +170,22 @@ struct moe_gemm_params {
   bool weights_evict_first = false;
   bool weights_fetch_256 = false;
 };
+
+// The row of expert's B holding output column `col`: for gate_up its gate (half 0) or up (half 1)
+// row in the layout p.interleaved names; otherwise row `col`. Biases are indexed alike.
+template <moe_gemm_kind Kind, class T>
+__device__ __forceinline__ std::int64_t b_row(const moe_gemm_params<T>& p, int half, int col) {
+  if constexpr (Kind == moe_gemm_kind::gate_up)
+    return p.interleaved ? 2 * static_cast<std::int64_t>(col) + half : static_cast<std::int64_t>(half) * p.n + col;
+  else return col;
+}
+
+// The bias of B row `row` of expert `expert` as f32 (p.bias set).
+template <class T>
+__device__ __forceinline__ float bias_at(const moe_gemm_params<T>& p, int expert, std::int64_t row) {
+  const std::int64_t i = static_cast<std::int64_t>(expert) * p.b_rows_per_expert + row;
+  return p.bias_f32 ? static_cast<const float*>(p.bias)[i] : to_f32(static_cast<const T*>(p.bias)[i]);
+}
 
 // One work item of a persistent grid: an M tile, an N tile and a K range.
 struct moe_work_item {
@@ -253,26 +275,41 @@ __device__ __forceinline__ void load8(float (&v)[8], const float* src) {
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
-// The epilogue of eight outputs [col, col + 8) of row `row` (n is a multiple of 8, so they are
-// all in or all out), from their f32 sums `v` (and, gated GEMM1, the up sums `u`; ignored
-// otherwise): GEMM1 applies the activation and writes act; GEMM2 scales by its target's factor
-// and stores, or adds into its token's output row.
+// The epilogue of eight outputs [col, col + 8) of row `row` of expert `expert`'s tile (n is a
+// multiple of 8, so they are all in or all out), from their f32 sums `v` (and, gated GEMM1, the
+// up sums `u`; ignored otherwise) over all of K: GEMM1 adds b13 and applies the activation and
+// writes act; GEMM2 adds b2, scales by its target's factor and stores, or adds into its token's
+// output row.
 template <class T, moe_gemm_kind Kind>
-__device__ __forceinline__ void store_outputs8(const moe_gemm_params<T>& p, int row, int col, float (&v)[8],
-                                               const float (&u)[8]) {
+__device__ __forceinline__ void store_outputs8(const moe_gemm_params<T>& p, int expert, int row, int col,
+                                               float (&v)[8], float (&u)[8]) {
   T* dst;
   if constexpr (Kind == moe_gemm_kind::down) {
     const down_target<T> t = down_target<T>::at(p, row);
     dst = t.dst + col;
+    if (p.bias != nullptr)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] += bias_at(p, expert, col + j);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] *= t.factor;
   } else {
     dst = p.c + static_cast<std::int64_t>(row) * p.n + col;
-    // act(W (w x)) = act(w (W x)): the router weight scales the f32 sums instead of x.
+    // act(W (w x) + b) = act(w (W x) + b): the router weight scales the f32 sums instead of x.
     const float scale = p.input_weights != nullptr ? p.input_weights[p.row_to_slot[row]] : 1.0f;
     constexpr bool gated = Kind == moe_gemm_kind::gate_up;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = apply_activation(p.act, gated, v[j] * scale, gated ? u[j] * scale : 0.0f);
+    for (int j = 0; j < 8; ++j) {
+      v[j] *= scale;
+      if constexpr (gated) u[j] *= scale;
+    }
+    if (p.bias != nullptr)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        v[j] += bias_at(p, expert, b_row<Kind>(p, 0, col + j));
+        if constexpr (gated) u[j] += bias_at(p, expert, b_row<Kind>(p, 1, col + j));
+      }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = apply_activation(p.act, gated, v[j], gated ? u[j] : 0.0f);
   }
   const std::uint32_t packed[4] = {mma_16816<T>::pack2(v[0], v[1]), mma_16816<T>::pack2(v[2], v[3]),
                                    mma_16816<T>::pack2(v[4], v[5]), mma_16816<T>::pack2(v[6], v[7])};
@@ -401,13 +438,13 @@ struct moe_gemm_tile {
         a_src_row[i] = p.row_to_slot[tile.row_begin + r] / p.top_k;
       }
     }
-    int b_src_row[b_passes];
+    int b_src_row[b_passes];  // within the expert: below 2^31 (n is an int)
 #pragma unroll
     for (int i = 0; i < b_passes; ++i) {
       const int r = ld_row + i * rows_per_pass;
       const int half = r / (bn / halves);
       const int col = n0 + r % (bn / halves);
-      b_src_row[i] = col < p.n ? half * p.n + col : -1;
+      b_src_row[i] = col < p.n ? static_cast<int>(b_row<Kind>(p, half, col)) : -1;
     }
 
     float acc[mi_count][ni_count][4];
@@ -477,7 +514,7 @@ struct moe_gemm_tile {
       float v[8], u[8];
       load8(v, src);
       if constexpr (Kind == moe_gemm_kind::gate_up) load8(u, src + out_cols);
-      store_outputs8<T, Kind>(p, tile.row_begin + r, col, v, u);
+      store_outputs8<T, Kind>(p, tile.expert, tile.row_begin + r, col, v, u);
     }
     // The next tile's prologue overwrites the C tile.
     __syncthreads();

@@ -4,8 +4,8 @@
 //   moe_stream_gemm_kernel<T, Policy, kind>: persistent CTAs stride over (M tile, N tile) items;
 //     a CTA's 32 weight rows are the mma.sync's M ("swap-AB") and its tile's tokens the mma's N
 //     in blocks of 8; each warp walks its own part of K through a private cp.async ring, and
-//     the parts meet in shared memory for the epilogue (activation into act, or GEMM2's store
-//     or atomic add).
+//     the parts meet in shared memory for the epilogue (bias and activation into act, or GEMM2's
+//     bias, store or atomic add), so each output's bias is added once whatever the warps' K split.
 //
 // Why this shape: where an expert sees a handful of rows, the GEMM is a weight stream, and
 // what it needs is many bytes in flight per SM with nothing between a load and the next one.
@@ -58,7 +58,7 @@ struct moe_stream_gemm {
     if (r < bn) {
       const int col = n0 + (gated ? r % 16 : r);
       if (col >= p.n) return nullptr;
-      const std::int64_t row = (gated ? static_cast<std::int64_t>(r / 16) * p.n : 0) + col;
+      const std::int64_t row = b_row<Kind>(p, gated ? r / 16 : 0, col);
       return p.b + (static_cast<std::int64_t>(tile.expert) * p.b_rows_per_expert + row) * p.k;
     }
     const int t = r - bn;
@@ -346,7 +346,7 @@ struct moe_stream_gemm {
     float v[8], u[8];
     sum8(v, red, token, c);
     if constexpr (gated) sum8(u, red, token, c + out_cols);
-    store_outputs8<T, Kind>(p, tile.row_begin + token, col, v, u);
+    store_outputs8<T, Kind>(p, tile.expert, tile.row_begin + token, col, v, u);
   }
 };
 

@@ -119,18 +119,20 @@ struct moe_gemm_wgmma {
     }
   }
 
-  // The tile's bn B rows as two boxes of the [E * halves, n, K] tensor map: for gate_up the bn/2
-  // gate rows of columns n0.. (z = 2e) then the bn/2 up rows of the same columns (z = 2e + 1),
-  // so the up value of a column sits bn/2 rows below its gate value; otherwise rows n0 and
-  // n0 + bn/2. The map's boxes are box_rows rows (weight_tensor_map).
+  // The tile's bn B rows as two boxes of the 4D tensor map (weight_tensor_map): for gate_up the
+  // bn/2 gate rows of columns n0.. (half 0) then the bn/2 up rows of the same columns (half 1),
+  // so the up value of a column sits bn/2 rows below its gate value whatever the layout;
+  // otherwise rows n0 and n0 + bn/2. The map's boxes are box_rows rows; its coordinates are
+  // {k, row, half, expert}, or {k, half, row, expert} for interleaved gate/up rows.
   // In a cluster, rank r loads box r only, into both CTAs (same offsets, both full barriers).
   __device__ __forceinline__ static void load_b(const CUtensorMap* map, std::uint64_t* bar, unsigned char* sb,
-                                                int k0, int n0, int expert, int rank) {
+                                                int k0, int n0, int expert, int rank, bool interleaved) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       if (cluster > 1 && j != rank) continue;
-      const std::int32_t coords[3] = {k0, halves == 2 ? n0 : n0 + j * box_rows,
-                                      halves == 2 ? 2 * expert + j : expert};
+      const int row = halves == 2 ? n0 : n0 + j * box_rows, half = halves == 2 ? j : 0;
+      const bool swapped = halves == 2 && interleaved;
+      const std::int32_t coords[4] = {k0, swapped ? half : row, swapped ? row : half, expert};
       unsigned char* dst = sb + j * box_rows * bk * 2;
       if constexpr (cluster == 1)
         cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, map, coords, bar);
@@ -174,7 +176,7 @@ struct moe_gemm_wgmma {
         if (tid == 0) {
           cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
                                                &bars.full[stage], static_cast<std::uint32_t>(b_bytes));
-          load_b(b_map, &bars.full[stage], sa + a_bytes, kt * bk, n0, tile.expert, me.rank);
+          load_b(b_map, &bars.full[stage], sa + a_bytes, kt * bk, n0, tile.expert, me.rank, p.interleaved);
         }
         const int kcol = kt * bk + ld_chunk * 8;
         const bool k_ok = kcol < p.k;  // k is a multiple of 8: a chunk is wholly in or out
@@ -314,20 +316,28 @@ struct moe_gemm_wgmma {
       if (!active) continue;
       // Accumulator register 4j + 2h + q of a 64 x N block holds row 16 warp + lane / 4 + 8h of
       // the block and column 8j + 2(lane % 4) + q (the PTX m64nNk16 D layout).
-      if constexpr (split_n) {
-        if constexpr (halves == 2)  // gate column j of acc0 pairs with the same column of acc1
-          epilogue<8>(p, tile, n0 + 64 * group, item.split, row_base, warp, lane,
-                      [&](int j, int i) { return acc0[4 * j + i]; }, [&](int j, int i) { return acc1[4 * j + i]; });
-        else
-          epilogue<16>(p, tile, n0 + 128 * group, item.split, row_base, warp, lane,
-                       [&](int j, int i) { return j < 8 ? acc0[4 * j + i] : acc1[4 * (j - 8) + i]; },
-                       [&](int, int) { return 0.0f; });
-      } else {
-        // The up value of gate register 4j + 2h + q is register 4(j + 16) + 2h + q.
-        epilogue<halves == 2 ? 16 : 32>(p, tile, n0, item.split, row_base, warp, lane,
-                                         [&](int j, int i) { return acc0[4 * j + i]; },
-                                         [&](int j, int i) { return acc0[4 * (j + 16) + i]; });
-      }
+      const auto finish = [&]<bool Bias>() {
+        if constexpr (split_n) {
+          if constexpr (halves == 2)  // gate column j of acc0 pairs with the same column of acc1
+            epilogue<8, Bias>(p, tile, n0 + 64 * group, item.split, row_base, warp, lane,
+                              [&](int j, int i) { return acc0[4 * j + i]; },
+                              [&](int j, int i) { return acc1[4 * j + i]; });
+          else
+            epilogue<16, Bias>(p, tile, n0 + 128 * group, item.split, row_base, warp, lane,
+                               [&](int j, int i) { return j < 8 ? acc0[4 * j + i] : acc1[4 * (j - 8) + i]; },
+                               [&](int, int) { return 0.0f; });
+        } else {
+          // The up value of gate register 4j + 2h + q is register 4(j + 16) + 2h + q.
+          epilogue<halves == 2 ? 16 : 32, Bias>(p, tile, n0, item.split, row_base, warp, lane,
+                                                 [&](int j, int i) { return acc0[4 * j + i]; },
+                                                 [&](int j, int i) { return acc0[4 * (j + 16) + i]; });
+        }
+      };
+      // GEMM2's bias goes with the first of the item's K ranges only: the ranges' sums meet in
+      // the output's atomics or in combine's sum of the parts. A uniform branch: without a bias
+      // the epilogue is the one compiled without it.
+      if (p.bias != nullptr && (Kind != moe_gemm_kind::down || item.split == 0)) finish.template operator()<true>();
+      else finish.template operator()<false>();
     }
   }
 
@@ -367,13 +377,20 @@ struct moe_gemm_wgmma {
   // Stores the thread's part of tile rows [row_base, row_base + 64): `blocks` blocks of 8
   // output columns from `col_base`, where value(j, 2h + q) is the accumulator of the thread's
   // row 16 warp + lane / 4 + 8h and column col_base + 8j + 2(lane % 4) + q, and for gate_up
-  // up(j, 2h + q) the up accumulator of the same row and column.
-  template <int Blocks, class Value, class Up>
+  // up(j, 2h + q) the up accumulator of the same row and column. With Bias, the tile's expert's
+  // bias of each column is added to its sums (GEMM1: after the router weight's scaling).
+  template <int Blocks, bool Bias, class Value, class Up>
   __device__ __forceinline__ static void epilogue(const moe_gemm_params<T>& p, const gpu::moe_m_tile& tile,
                                                   int col_base, int split, int row_base, int warp, int lane,
                                                   Value value, Up up) {
     const int rows = tile.row_end - tile.row_begin;
     const int col0 = col_base + 2 * (lane % 4);
+    // Sum v of column col's gate (half 0) or up (half 1) row plus that row's bias; v itself
+    // without Bias (no addition of zero: the bias-free epilogue is the one without biases).
+    const auto biased = [&](float v, int half, int col) {
+      if constexpr (Bias) return v + bias_at(p, tile.expert, b_row<Kind>(p, half, col));
+      else return v;
+    };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = row_base + 16 * warp + lane / 4 + 8 * h;
@@ -385,25 +402,33 @@ struct moe_gemm_wgmma {
 #pragma unroll
           for (int j = 0; j < Blocks; ++j) {
             const int col = col0 + 8 * j;
-            if (col < p.n) *reinterpret_cast<float2*>(part + col) = make_float2(value(j, 2 * h), value(j, 2 * h + 1));
+            if (col < p.n)
+              *reinterpret_cast<float2*>(part + col) =
+                  make_float2(biased(value(j, 2 * h), 0, col), biased(value(j, 2 * h + 1), 0, col + 1));
           }
           continue;
         }
         const down_target<T> t = down_target<T>::at(p, row);
         if (p.store == down_store::accumulate) {
-          add_blocks<Blocks>(t, col_base, p.n, h, lane, value);
+          if constexpr (Bias)  // add_blocks forms every block's values, past n too: no bias read there
+            add_blocks<Blocks>(t, col_base, p.n, h, lane, [&](int j, int i) {
+              const int col = col0 + 8 * j + (i & 1);
+              return col < p.n ? biased(value(j, i), 0, col) : value(j, i);
+            });
+          else add_blocks<Blocks>(t, col_base, p.n, h, lane, value);
           continue;
         }
 #pragma unroll
         for (int j = 0; j < Blocks; ++j) {
           const int col = col0 + 8 * j;  // n is a multiple of 8: a pair is wholly in or out
           if (col >= p.n) continue;
-          const float lo = value(j, 2 * h) * t.factor, hi = value(j, 2 * h + 1) * t.factor;
+          const float lo = biased(value(j, 2 * h), 0, col) * t.factor;
+          const float hi = biased(value(j, 2 * h + 1), 0, col + 1) * t.factor;
           *reinterpret_cast<std::uint32_t*>(t.dst + col) = mma_16816<T>::pack2(lo, hi);
         }
       } else {
         T* out = p.c + static_cast<std::int64_t>(row) * p.n;
-        // act(W (w x)) = act(w (W x)): the router weight scales the f32 accumulators instead of x.
+        // act(W (w x) + b) = act(w (W x) + b): the router weight scales the f32 accumulators instead of x.
         const float scale = p.input_weights != nullptr ? p.input_weights[p.row_to_slot[row]] : 1.0f;
 #pragma unroll
         for (int j = 0; j < Blocks; ++j) {
@@ -412,9 +437,9 @@ struct moe_gemm_wgmma {
           float v[2];
 #pragma unroll
           for (int q = 0; q < 2; ++q) {
-            const float g = value(j, 2 * h + q) * scale;
+            const float g = biased(value(j, 2 * h + q) * scale, 0, col + q);
             if constexpr (Kind == moe_gemm_kind::gate_up)
-              v[q] = apply_activation(p.act, true, g, up(j, 2 * h + q) * scale);
+              v[q] = apply_activation(p.act, true, g, biased(up(j, 2 * h + q) * scale, 1, col + q));
             else v[q] = apply_activation(p.act, false, g, 0.0f);
           }
           *reinterpret_cast<std::uint32_t*>(out + col) = mma_16816<T>::pack2(v[0], v[1]);

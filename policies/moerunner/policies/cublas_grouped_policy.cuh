@@ -5,7 +5,8 @@
 //   routing plan (device counts, offsets, slot order) -> gather rows in expert order
 //   -> [apply_router_weight_on_input: scale each row by its weight]
 //   -> GEMM1 cublasGemmGroupedBatchedEx, one group per expert with tokens: [n_e, H] x w13[e]^T -> [n_e, 2I]
-//   -> gated activation -> GEMM2 grouped: [n_e, I] x w2[e]^T -> [n_e, H]
+//   -> [+ b13[e]] -> gated activation (gate/up columns in w13's layout)
+//   -> GEMM2 grouped: [n_e, I] x w2[e]^T -> [n_e, H] -> [+ b2[e]]
 //   -> combine each token's k rows times its router weights (and routed_scaling_factor
 //      when the weights do not already carry it), or leave them as [M, k, H] with no_combine.
 //
@@ -52,6 +53,7 @@
 #include "moerunner/gpu/combine.cuh"
 #include "moerunner/gpu/cublas_check.hpp"
 #include "moerunner/gpu/cuda_check.hpp"
+#include "moerunner/gpu/expert_bias.cuh"
 #include "moerunner/gpu/gather.cuh"
 #include "moerunner/gpu/permute.cuh"
 #include "moerunner/gpu/routing_plan.hpp"
@@ -176,6 +178,7 @@ class cublas_grouped_policy {
     MOE_EXPECT(q.w13.type == type, where,
                "w13 and w2 must have the dtype of hidden_states (" + std::string(dtype_name(type)) + "), got " +
                    std::string(dtype_name(q.w13.type)));
+    // The biases are f32 or the weights' dtype (validate_quant_info), which is hidden_states'.
     const std::int64_t m = d.num_tokens();
     MOE_EXPECT(m * cfg_.top_k() <= 0x7fffffff, where, "num_tokens * top_k must fit in 32 bits for cuBLAS");
     detail::validate_workspace(workspace_bytes(m), ws, where);
@@ -262,11 +265,14 @@ class cublas_grouped_policy {
           handle_.get(), op_t_.data(), op_n_.data(), w13_rows_.data(), n_.data(), hidden_.data(), alpha_.data(),
           p, dt, hidden_.data(), p + stride, dt, hidden_.data(), beta_.data(), p + 2 * stride, dt,
           w13_rows_.data(), groups, ones_.data(), CUBLAS_COMPUTE_32F));
-      gpu::gated_activation(gemm1_out, act, type, inter, cfg_.is_gated(), cfg_.act(), plan, stream);
+      if (!q.b13.empty_view()) gpu::add_expert_bias(gemm1_out, type, rows13, q.b13, plan, stream);
+      gpu::gated_activation(gemm1_out, act, type, inter, cfg_.is_gated(), cfg_.act(), plan, stream,
+                            cfg_.gate_up_layout());
       MOE_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
           handle_.get(), op_t_.data(), op_n_.data(), hidden_.data(), n_.data(), inter_.data(), alpha_.data(),
           p + 3 * stride, dt, inter_.data(), p + 4 * stride, dt, inter_.data(), beta_.data(), p + 5 * stride, dt,
           hidden_.data(), groups, ones_.data(), CUBLAS_COMPUTE_32F));
+      if (!q.b2.empty_view()) gpu::add_expert_bias(rows, type, hidden, q.b2, plan, stream);
     }
 
     const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();

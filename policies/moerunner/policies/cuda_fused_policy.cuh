@@ -5,10 +5,12 @@
 //   routing plan (device counts, offsets, slot order; -1 ids skipped) and the M-tile
 //      schedule from the expert offsets, in the same kernel (one block at decode sizes)
 //   -> GEMM1: rows gathered from x inside the load (no permuted copy), times w13[e]^T; each
-//      CTA loads the gate rows and the up rows of the same columns, so its epilogue pairs gate
-//      column i with up column I+i, applies the activation in f32 and writes act [R, I]
+//      CTA loads the gate rows and the up rows of the same columns (rows i and I+i, or 2i and
+//      2i+1 with gate_up_layout interleaved), so its epilogue pairs gate column i with up column
+//      i, adds b13 if given, applies the activation in f32 and writes act [R, I]
 //      (apply_router_weight_on_input scales the f32 accumulators: act(W(w x)) = act(w (W x)))
-//   -> GEMM2: act [R, I] times w2[e]^T; its epilogue multiplies each row by its router weight
+//   -> GEMM2: act [R, I] times w2[e]^T; its epilogue adds b2 if given (one K range of a split
+//      adds it), multiplies each row by its router weight
 //      (unless applied on the input) and routed_scaling_factor (unless the weights carry it) and
 //        - default: adds it into its token's output row with packed atomics (GEMM1 zeroed the
 //          output; with inplace a memset does, after GEMM1 has read x). The order of the
@@ -42,7 +44,8 @@
 // tile) with no K split, GEMM2 writing rows that combine sums in slot order.
 //
 // Requirements, checked with a clear error before anything runs:
-//   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype);
+//   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype); the optional
+//     biases b13 and b2 are f32 or that dtype;
 //   - hidden_size and intermediate_size are multiples of 8 (16-byte loads along K and
 //     16-byte stores along N); within that any size works, multiples of the GEMM tiles or not;
 //   - hidden_states, w13 and w2 start on 16-byte boundaries (cudaMalloc gives 256), and so
@@ -317,6 +320,9 @@ class cuda_fused_policy {
     g1.c = act;
     g1.input_weights = cfg_.apply_router_weight_on_input() ? weights : nullptr;
     g1.act = cfg_.act();
+    g1.interleaved = cfg_.gate_up_layout() == w13_layout::interleaved;
+    g1.bias = q.b13.data;
+    g1.bias_f32 = q.b13.type == dtype::f32;
     if (clear_in_gemm1) {
       g1.clear = static_cast<uint4*>(out.data);
       g1.clear_vectors = static_cast<std::int64_t>(out.bytes() / sizeof(uint4));  // H % 8 == 0: whole vectors
@@ -340,6 +346,8 @@ class cuda_fused_policy {
     g2.n = hidden;
     g2.k = inter;
     g2.act = cfg_.act();
+    g2.bias = q.b2.data;
+    g2.bias_f32 = q.b2.type == dtype::f32;
     g2.k_splits = pl.down_k_splits;
     g2.local_ids = g1.local_ids;
     g2.local_slots = g1.local_slots;

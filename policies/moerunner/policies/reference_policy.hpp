@@ -77,17 +77,22 @@ class reference_policy {
 
   CombineInput run_from_dispatch(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
                                  workspace_view, cuda::stream_ref) const {
-    run(d, q.w13, nullptr, q.w2, nullptr, false, out);
+    run(d, q.w13, nullptr, q.w2, nullptr, false, q.b13, q.b2, out);
     return {out, !cfg_.no_combine()};
   }
 
   CombineInput run_from_dispatch(const DispatchOutput& d, const fp8_block_quant_info& q, const tensor_view& out,
                                  workspace_view, cuda::stream_ref) const {
-    run(d, q.w13, &q.w13_scale, q.w2, &q.w2_scale, true, out);
+    run(d, q.w13, &q.w13_scale, q.w2, &q.w2_scale, true, {}, {}, out);
     return {out, !cfg_.no_combine()};
   }
 
  private:
+  // Element i of an optional bias, 0 where there is none.
+  static double bias(const tensor_view& b, std::int64_t i) {
+    return b.empty_view() ? 0.0 : reference::detail::load_as_float(b, i);
+  }
+
   // Loads token t's input row as doubles (dequantizing fp8 activations by their group scales).
   std::vector<double> load_row(const DispatchOutput& d, std::int64_t t) const {
     const int h = cfg_.hidden_size();
@@ -100,8 +105,10 @@ class reference_policy {
     return x;
   }
 
+  // b13, b2: per-expert biases, or empty views for none.
   void run(const DispatchOutput& d, const tensor_view& w13, const tensor_view* s13, const tensor_view& w2,
-           const tensor_view* s2, bool fp8, const tensor_view& out) const {
+           const tensor_view* s2, bool fp8, const tensor_view& b13, const tensor_view& b2,
+           const tensor_view& out) const {
     // Again here, for a caller that runs the policy without a runner: before any store.
     detail::validate_host_ids(cfg_, d.topk.topk_ids, "reference_policy");
     const std::int64_t m = d.num_tokens();
@@ -126,18 +133,23 @@ class reference_policy {
           for (double& v : x) v *= wgt;
         if (fp8 && d.hidden_states.type != dtype::f8_e4m3) reference::fp8_group_roundtrip(x);
         const reference::expert_matrix a(w13, s13, e), b(w2, s2, e);
+        const std::int64_t rows13 = cfg_.w13_rows();
         for (int i = 0; i < inter; ++i) {
-          double gate = 0.0, up = 0.0;
-          for (int c = 0; c < h; ++c) gate += a(i, c) * x[c];
-          if (cfg_.is_gated())
-            for (int c = 0; c < h; ++c) up += a(inter + i, c) * x[c];
+          const std::int64_t gate_row = w13_row(cfg_.gate_up_layout(), 0, i, inter);
+          const std::int64_t up_row = w13_row(cfg_.gate_up_layout(), 1, i, inter);
+          double gate = bias(b13, e * rows13 + gate_row), up = 0.0;
+          for (int c = 0; c < h; ++c) gate += a(gate_row, c) * x[c];
+          if (cfg_.is_gated()) {
+            up = bias(b13, e * rows13 + up_row);
+            for (int c = 0; c < h; ++c) up += a(up_row, c) * x[c];
+          }
           act[i] = reference::apply_activation(cfg_.act(), cfg_.is_gated(), gate, up);
         }
         if (fp8) reference::fp8_group_roundtrip(act);
         const double row_scale = (cfg_.apply_router_weight_on_input() ? 1.0 : wgt) * scaling;
         double* dst = result.data() + (cfg_.no_combine() ? j : 0) * h;
         for (int r = 0; r < h; ++r) {
-          double acc = 0.0;
+          double acc = bias(b2, static_cast<std::int64_t>(e) * h + r);
           for (int i = 0; i < inter; ++i) acc += b(r, i) * act[i];
           dst[r] += acc * row_scale;
         }
