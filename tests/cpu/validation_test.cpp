@@ -802,7 +802,7 @@ TEST_CASE("run rejects biases of the wrong shape, dtype, place or layout before 
         with_bias(f, c);
         c.q.b2.data = static_cast<char*>(c.q.b2.data) + 2;
       },
-      "b2 must be 4-byte aligned");
+      "b2 must be 4-byte aligned (its f32 elements are read in place)");
   // An ungated w13 has I rows, and b13 with it.
   auto ungated = run_params;
   ungated.is_gated = false;
