@@ -7,6 +7,7 @@
 // registered by host_f32_backend.cpp) or the built-in "reference". An unknown name
 // prints the registry's error, which lists the known names, and exits 2; a result
 // that disagrees with the reference exits 1.
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -46,17 +47,27 @@ std::vector<float> forward(runner_type& runner, const mr::DispatchOutput& d, con
 
 }  // namespace
 
+// The whole of `text` as a decimal integer in [lo, hi], or nothing (atoi would read "abc" as 0).
+std::optional<std::int64_t> parse_int(std::string_view text, std::int64_t lo, std::int64_t hi) {
+  std::int64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size() || v < lo || v > hi) return std::nullopt;
+  return v;
+}
+
 int main(int argc, char** argv) {
   std::string backend = "host_f32";
   std::int64_t m = 7;
   unsigned seed = 1;
   for (int i = 1; i < argc; i += 2) {
     const std::string_view a = i + 1 < argc ? argv[i] : "";
+    std::optional<std::int64_t> n;
     if (a == "--backend") backend = argv[i + 1];
-    else if (a == "--tokens") m = std::atoll(argv[i + 1]);
-    else if (a == "--seed") seed = static_cast<unsigned>(std::atoi(argv[i + 1]));
+    else if (a == "--tokens" && (n = parse_int(argv[i + 1], 0, 1 << 20))) m = *n;
+    else if (a == "--seed" && (n = parse_int(argv[i + 1], 0, 0xffffffff))) seed = static_cast<unsigned>(*n);
     else {
-      std::fprintf(stderr, "usage: %s [--backend NAME] [--tokens M] [--seed S]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--backend NAME] [--tokens M (0 to 1048576)] [--seed S (0 to 4294967295)]\n",
+                   argv[0]);
       return 2;
     }
   }
