@@ -50,6 +50,15 @@ class tensor_args {
       v.shape[d] = a.shape(d);
       v.strides[d] = a.stride(d);
     }
+    // The strides of an array without elements address nothing, and frameworks report them
+    // freely (numpy's export of an empty array, for one): row-major strides describe it.
+    if (v.numel() == 0) {
+      std::int64_t s = 1;
+      for (int d = rank - 1; d >= 0; --d) {
+        v.strides[d] = s;
+        s *= v.shape[d] > 0 ? v.shape[d] : 1;
+      }
+    }
     v.data = const_cast<void*>(a.data());
     return v;
   }
