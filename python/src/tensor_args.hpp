@@ -30,7 +30,9 @@ inline std::string dlpack_dtype_name(nb::dlpack::dtype t) {
     case code::Float8_E5M2: return "float8_e5m2";
     default: return "DLPack type code " + std::to_string(t.code);
   }
-  return base + std::to_string(t.bits) + (t.lanes != 1 ? "x" + std::to_string(t.lanes) : "");
+  base += std::to_string(t.bits);
+  if (t.lanes != 1) base += 'x' + std::to_string(t.lanes);
+  return base;
 }
 
 // Converts a call's array arguments, checking that its device tensors share one device.
