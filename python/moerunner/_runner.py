@@ -1,0 +1,73 @@
+"""moerunner.MoeRunner: one MoE layer's runner, over the extension's Runner."""
+
+from . import _moerunner
+from ._arrays import empty, leading_dim, stream_handle, torch_of
+
+
+class MoeRunner:
+    """A runner for one MoE layer on one backend (see backends()).
+
+    The keyword arguments mirror moe_config_params (moerunner/core/config.hpp) and are
+    validated by MoeRunnerConfig: num_experts, hidden_size, intermediate_size, top_k, and
+    optionally num_local_experts (0: all), activation ("silu", "gelu", "swiglu_clamped"),
+    activation_alpha, activation_limit (swiglu_clamped), is_gated, gate_up_layout ("halves",
+    "interleaved"), apply_router_weight_on_input, routed_scaling_factor, no_combine, inplace,
+    deterministic, batch_invariant. A bad value raises InvalidArgumentError (a ValueError), an
+    unknown backend RegistryError (a LookupError).
+    """
+
+    __slots__ = ("_core", "backend", "config", "tensor_space", "_out_dims", "_inplace", "_host")
+
+    def __init__(self, backend="reference", **config):
+        self._core = _moerunner.Runner(backend, **config)
+        self.backend = self._core.backend
+        self.config = self._core.config
+        self.tensor_space = self._core.tensor_space  # "host" or "device": where every tensor lives
+        c = self.config
+        self._out_dims = (c["top_k"], c["hidden_size"]) if c["no_combine"] else (c["hidden_size"],)
+        self._inplace = c["inplace"]
+        self._host = self.tensor_space == "host"
+
+    def workspace_bytes(self, num_tokens):
+        """Scratch bytes one run over num_tokens tokens needs (0 for host backends)."""
+        return self._core.workspace_bytes(num_tokens)
+
+    def describe(self, num_tokens):
+        """One line for a log: what a run over num_tokens tokens does (cuda_fused: its plan)."""
+        return self._core.describe(num_tokens)
+
+    def run(self, x, topk_ids, topk_weights, w13, w2, out=None, workspace=None, stream=None, b13=None, b2=None,
+            status=None, hidden_scales=None, w13_scale=None, w2_scale=None):
+        """Runs the layer: out[t] = sum over slots j of topk_weights[t, j] * expert(topk_ids[t, j], x[t]).
+
+        x [M, H]; topk_ids [M, k] int32 (-1: filtered slot); topk_weights [M, k] float32;
+        w13 [E, 2I, H] (gated) or [E, I, H]; w2 [E, H, I]; optional biases b13 [E, 2I] and
+        b2 [E, H]. fp8 block weights: float8_e4m3fn w13 and w2 with w13_scale and w2_scale
+        (float32, one per 128x128 block), and for fp8 x its hidden_scales [M, ceil(H/128)].
+        Any DLPack array (torch, CuPy, JAX, numpy), in the backend's memory space.
+
+        out: [M, H] ([M, k, H] with no_combine), x's dtype (bf16 for fp8 x); None allocates
+        it for numpy arrays and torch tensors (x itself with inplace). workspace: at least
+        workspace_bytes(M) bytes in the backend's memory space; None allocates it through
+        torch for torch tensors. stream: an int cudaStream_t, an object with __cuda_stream__
+        or cuda_stream, or None (torch's current stream for CUDA torch tensors, else 0).
+        status: an int32 [2] device array a cuda_fused run adds bad expert ids to
+        (bad_slots, first_bad_slot). Nothing synchronizes. Returns out.
+        """
+        if out is None:
+            out = x if self._inplace else empty(x, (leading_dim(x),) + self._out_dims, "output", "out")
+        if workspace is None and not self._host:
+            nbytes = self._core.workspace_bytes(leading_dim(x))
+            if nbytes and torch_of(x) is not None:
+                workspace = empty(x, (nbytes,), "u8", "workspace")
+        self._core.run(x, topk_ids, topk_weights, w13, w2, out, workspace, stream_handle(stream, x), b13, b2,
+                       status, hidden_scales, w13_scale, w2_scale)
+        return out
+
+    def __repr__(self):
+        c = self.config
+        return (f"MoeRunner({self.backend!r}, num_experts={c['num_experts']}, hidden_size={c['hidden_size']}, "
+                f"intermediate_size={c['intermediate_size']}, top_k={c['top_k']})")
+
+
+__all__ = ["MoeRunner"]

@@ -1,0 +1,104 @@
+"""torch.library ops over moerunner, for models that torch.compile (fullgraph=True) traces and
+CUDA graphs capture. Import it where torch is installed:
+
+    import moerunner.torch as mt
+    runner = moerunner.MoeRunner("cuda_fused", num_experts=..., ...)
+    weights, ids = mt.topk(router_logits, top_k=8)
+    out = mt.fused_moe(runner, x, ids, weights, w13, w2)
+
+The ops are moerunner::topk and moerunner::fused_moe. A runner is not a tensor, so the op takes
+its handle (an int a runner gets the first time it is passed here); runners stay alive while
+their handle is registered. The workspace comes from torch's caching allocator on every call
+(inside a graph capture, from the graph's pool), the stream is torch's current stream.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import _routing
+from ._runner import MoeRunner
+
+_runners: List[MoeRunner] = []
+_handles = {}
+
+
+def handle(runner: MoeRunner) -> int:
+    """The op's handle for runner, registered on first use."""
+    h = _handles.get(id(runner))
+    if h is None:
+        if runner.config["inplace"]:
+            raise ValueError("moerunner.torch.fused_moe returns a new tensor; build the runner with inplace=False")
+        h = len(_runners)
+        _runners.append(runner)
+        _handles[id(runner)] = h
+    return h
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _out_shape(runner: MoeRunner, x: torch.Tensor) -> List[int]:
+    c = runner.config
+    return [x.shape[0], c["top_k"], c["hidden_size"]] if c["no_combine"] else [x.shape[0], c["hidden_size"]]
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.bfloat16 if x.dtype == torch.float8_e4m3fn else x.dtype
+
+
+@torch.library.custom_op("moerunner::fused_moe", mutates_args=())
+def _fused_moe(runner_handle: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
+               hidden_scales: Optional[torch.Tensor], w13_scale: Optional[torch.Tensor],
+               w2_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    runner = _runners[runner_handle]
+    out = torch.empty(_out_shape(runner, x), dtype=_out_dtype(x), device=x.device)
+    nbytes = runner.workspace_bytes(x.shape[0])
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
+    runner.run(x, topk_ids, topk_weights, w13, w2, out=out, workspace=workspace, stream=_stream(x), b13=b13, b2=b2,
+               hidden_scales=hidden_scales, w13_scale=w13_scale, w2_scale=w2_scale)
+    return out
+
+
+@_fused_moe.register_fake
+def _(runner_handle, x, topk_ids, topk_weights, w13, w2, b13, b2, hidden_scales, w13_scale, w2_scale):
+    return x.new_empty(_out_shape(_runners[runner_handle], x), dtype=_out_dtype(x))
+
+
+@torch.library.custom_op("moerunner::topk", mutates_args=())
+def _topk(router_logits: torch.Tensor, correction_bias: Optional[torch.Tensor], top_k: int, scoring: str,
+          renormalize: bool, num_expert_group: int, topk_group: int, routed_scaling_factor: float,
+          apply_routed_scaling_factor_on_weights: bool, num_fused_shared_experts: int,
+          fused_shared_expert_weight: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _routing.topk(router_logits, top_k=top_k, num_fused_shared_experts=num_fused_shared_experts,
+                         correction_bias=correction_bias, stream=_stream(router_logits), scoring=scoring,
+                         renormalize=renormalize, num_expert_group=num_expert_group, topk_group=topk_group,
+                         routed_scaling_factor=routed_scaling_factor,
+                         apply_routed_scaling_factor_on_weights=apply_routed_scaling_factor_on_weights,
+                         fused_shared_expert_weight=fused_shared_expert_weight)
+
+
+@_topk.register_fake
+def _(router_logits, correction_bias, top_k, scoring, renormalize, num_expert_group, topk_group,
+      routed_scaling_factor, apply_routed_scaling_factor_on_weights, num_fused_shared_experts,
+      fused_shared_expert_weight):
+    shape = (router_logits.shape[0], top_k + num_fused_shared_experts)
+    return (router_logits.new_empty(shape, dtype=torch.float32), router_logits.new_empty(shape, dtype=torch.int32))
+
+
+def fused_moe(runner: MoeRunner, x, topk_ids, topk_weights, w13, w2, b13=None, b2=None, hidden_scales=None,
+              w13_scale=None, w2_scale=None):
+    """runner.run(...) as the op moerunner::fused_moe: a new output tensor, workspace from torch."""
+    return torch.ops.moerunner.fused_moe(handle(runner), x, topk_ids, topk_weights, w13, w2, b13, b2,
+                                         hidden_scales, w13_scale, w2_scale)
+
+
+def topk(router_logits, *, top_k, correction_bias=None, scoring="softmax", renormalize=True, num_expert_group=0,
+         topk_group=0, routed_scaling_factor=1.0, apply_routed_scaling_factor_on_weights=False,
+         num_fused_shared_experts=0, fused_shared_expert_weight=1.0):
+    """moerunner.topk as the op moerunner::topk (the defaults are topk_config's)."""
+    return torch.ops.moerunner.topk(router_logits, correction_bias, top_k, scoring, renormalize, num_expert_group,
+                                    topk_group, routed_scaling_factor, apply_routed_scaling_factor_on_weights,
+                                    num_fused_shared_experts, fused_shared_expert_weight)

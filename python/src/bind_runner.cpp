@@ -1,0 +1,174 @@
+// moerunner._moerunner.Runner: a MoeRunner of this build's runner set, built from keyword
+// arguments that mirror moe_config_params and validated by MoeRunnerConfig.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+
+#include "bindings.hpp"
+#include "runner_set.hpp"
+#include "tensor_args.hpp"
+
+namespace moerunner::python {
+
+namespace {
+
+using array = nb::ndarray<>;
+using optional_array = std::optional<nb::ndarray<>>;
+
+moe_config_params make_params(int num_experts, int hidden_size, int intermediate_size, int top_k,
+                              int num_local_experts, std::string_view act, float alpha, float limit, bool is_gated,
+                              std::string_view layout, bool apply_router_weight_on_input,
+                              float routed_scaling_factor, bool no_combine, bool inplace, bool deterministic,
+                              bool batch_invariant) {
+  constexpr const char* where = "MoeRunnerConfig";
+  constexpr activation_kind kinds[] = {activation_kind::silu, activation_kind::gelu, activation_kind::swiglu_clamped};
+  constexpr w13_layout layouts[] = {w13_layout::halves, w13_layout::interleaved};
+  moe_config_params p;
+  p.num_experts = num_experts;
+  p.num_local_experts = num_local_experts;
+  p.hidden_size = hidden_size;
+  p.intermediate_size = intermediate_size;
+  p.top_k = top_k;
+  p.act = {parse_enum(act, kinds, activation_name, where, "activation"), alpha, limit};
+  p.is_gated = is_gated;
+  p.gate_up_layout = parse_enum(layout, layouts, w13_layout_name, where, "gate_up_layout");
+  p.apply_router_weight_on_input = apply_router_weight_on_input;
+  p.routed_scaling_factor = routed_scaling_factor;
+  p.no_combine = no_combine;
+  p.inplace = inplace;
+  p.deterministic = deterministic;
+  p.batch_invariant = batch_invariant;
+  return p;
+}
+
+class runner {
+ public:
+  runner(std::string_view backend, const moe_config_params& p) : impl_(make_runner(backend, MoeRunnerConfig(p))) {}
+
+  // The config as validated (num_local_experts filled in, deterministic implied by batch_invariant).
+  nb::dict config() const {
+    const MoeRunnerConfig& c = impl_->config();
+    nb::dict d;
+    d["num_experts"] = c.num_experts();
+    d["num_local_experts"] = c.num_local_experts();
+    d["hidden_size"] = c.hidden_size();
+    d["intermediate_size"] = c.intermediate_size();
+    d["top_k"] = c.top_k();
+    d["activation"] = std::string(activation_name(c.act().kind));
+    d["activation_alpha"] = c.act().alpha;
+    d["activation_limit"] = c.act().limit;
+    d["is_gated"] = c.is_gated();
+    d["gate_up_layout"] = std::string(w13_layout_name(c.gate_up_layout()));
+    d["apply_router_weight_on_input"] = c.apply_router_weight_on_input();
+    d["routed_scaling_factor"] = c.routed_scaling_factor();
+    d["no_combine"] = c.no_combine();
+    d["inplace"] = c.inplace();
+    d["deterministic"] = c.deterministic();
+    d["batch_invariant"] = c.batch_invariant();
+    return d;
+  }
+
+  std::string backend() const { return std::string(impl_->backend()); }
+  std::string tensor_space() const { return std::string(memory_space_name(impl_->tensor_space())); }
+  std::size_t workspace_bytes(std::int64_t m) const { return impl_->workspace_bytes(m); }
+  std::string describe(std::int64_t m) const { return impl_->describe(m); }
+
+  void run(const array& x, const array& topk_ids, const array& topk_weights, const array& w13, const array& w2,
+           const array& out, const optional_array& workspace, std::uintptr_t stream, const optional_array& b13,
+           const optional_array& b2, const optional_array& status, const optional_array& hidden_scales,
+           const optional_array& w13_scale, const optional_array& w2_scale) {
+    constexpr const char* where = "MoeRunner::run";
+    const memory_space space = impl_->tensor_space();
+    tensor_args views(where);
+    DispatchOutput d;
+    d.hidden_states = views(x, "hidden_states");
+    d.hidden_scales = views(hidden_scales, "hidden_scales");
+    d.topk.topk_ids = views(topk_ids, "topk_ids");
+    d.topk.topk_weights = views(topk_weights, "topk_weights");
+    const tensor_view out_view = views(out, "output");
+    workspace_view ws;
+    if (workspace) {
+      const tensor_view w = views(*workspace, "workspace");
+      check::space(w, space, where, "workspace");
+      check::contiguous(w, where, "workspace");
+      ws = {w.data, w.bytes()};
+    }
+    if (status) {
+      const tensor_view s = views(*status, "status");
+      check::type(s, dtype::i32, where, "status");
+      check::space(s, space, where, "status");
+      check::contiguous(s, where, "status");
+      MOE_EXPECT(s.numel() == 2, where, "status must hold 2 i32 values (bad_slots, first_bad_slot), got shape " +
+                                            s.shape_string());
+      d.status = s.ptr<moe_status>();
+    }
+    if (w13_scale || w2_scale) {
+      MOE_EXPECT(!b13 && !b2, where, "b13 and b2 go with unquantized weights; fp8 block weights take no biases");
+      const fp8_block_quant_info q{views(w13, "w13"), views(w13_scale, "w13_scale"), views(w2, "w2"),
+                                   views(w2_scale, "w2_scale")};
+      call(d, q, out_view, ws, stream, views.device());
+    } else {
+      const unquantized_quant_info q{views(w13, "w13"), views(w2, "w2"), views(b13, "b13"), views(b2, "b2")};
+      call(d, q, out_view, ws, stream, views.device());
+    }
+  }
+
+ private:
+  // Host runs release the GIL (the reference backend computes in the call); device runs only
+  // enqueue work, where releasing it would cost more than it frees.
+  template <class QI>
+  void call(const DispatchOutput& d, const QI& q, const tensor_view& out, workspace_view ws, std::uintptr_t stream,
+            int device) {
+    if (impl_->tensor_space() == memory_space::host) {
+      nb::gil_scoped_release unlocked;
+      impl_->run(d, q, out, ws, stream, device);
+    } else {
+      impl_->run(d, q, out, ws, stream, device);
+    }
+  }
+
+  std::unique_ptr<any_runner> impl_;
+};
+
+}  // namespace
+
+void bind_runner(nb::module_& m) {
+  const moe_config_params defaults{};
+  nb::class_<runner>(m, "Runner")
+      .def(
+          "__init__",
+          [](runner* self, std::string_view backend, int num_experts, int hidden_size, int intermediate_size,
+             int top_k, int num_local_experts, std::string_view act, float alpha, float limit, bool is_gated,
+             std::string_view layout, bool on_input, float scaling, bool no_combine, bool inplace,
+             bool deterministic, bool batch_invariant) {
+            new (self) runner(backend, make_params(num_experts, hidden_size, intermediate_size, top_k,
+                                                   num_local_experts, act, alpha, limit, is_gated, layout, on_input,
+                                                   scaling, no_combine, inplace, deterministic, batch_invariant));
+          },
+          nb::arg("backend"), nb::kw_only(), nb::arg("num_experts"), nb::arg("hidden_size"),
+          nb::arg("intermediate_size"), nb::arg("top_k"), nb::arg("num_local_experts") = defaults.num_local_experts,
+          nb::arg("activation") = activation_name(defaults.act.kind),
+          nb::arg("activation_alpha") = defaults.act.alpha, nb::arg("activation_limit") = defaults.act.limit,
+          nb::arg("is_gated") = defaults.is_gated,
+          nb::arg("gate_up_layout") = w13_layout_name(defaults.gate_up_layout),
+          nb::arg("apply_router_weight_on_input") = defaults.apply_router_weight_on_input,
+          nb::arg("routed_scaling_factor") = defaults.routed_scaling_factor,
+          nb::arg("no_combine") = defaults.no_combine, nb::arg("inplace") = defaults.inplace,
+          nb::arg("deterministic") = defaults.deterministic, nb::arg("batch_invariant") = defaults.batch_invariant)
+      .def_prop_ro("backend", &runner::backend)
+      .def_prop_ro("tensor_space", &runner::tensor_space)
+      .def_prop_ro("config", &runner::config)
+      .def("workspace_bytes", &runner::workspace_bytes, nb::arg("num_tokens"))
+      .def("describe", &runner::describe, nb::arg("num_tokens"))
+      .def("run", &runner::run, nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w13"),
+           nb::arg("w2"), nb::arg("out"), nb::arg("workspace").none(), nb::arg("stream"), nb::arg("b13").none(),
+           nb::arg("b2").none(), nb::arg("status").none(), nb::arg("hidden_scales").none(),
+           nb::arg("w13_scale").none(), nb::arg("w2_scale").none());
+}
+
+}  // namespace moerunner::python
