@@ -112,15 +112,25 @@ def add_common_args(ap):
     ap.add_argument("--tokens", default=",".join(str(t) for t in TOKENS))
 
 
-def run_cells(args, backend, make_call, *, captured=True, time_routing=False, extra=None, stream=None):
+def run_cells(args, backend, make_call, *, captured=True, time_routing=False, extra=None, stream=None,
+              weight_format=None):
     """Times backend on every wanted (shape, tokens) cell and appends one JSON line per cell.
 
     make_call(x, topk_ids, topk_weights, w13, w2) returns a no-argument call that computes the
     layer's [M, H] output; it runs once outside capture first (warm-up, compiles), then is
     captured in one CUDA graph per routing set (captured=True) or called directly.
     extra(e, inter), when given, returns fields merged into each record of a shape (the peer's
-    config files, say). Returns the count of failed cells."""
+    config files, say). weight_format, when given, is how the layer reads its weights:
+    prepare(w13, w2) -> (w13, w2) as make_call and the check receive them, reference(x, ids,
+    weights, w13, w2, tokens) the f32 rows to check against, weight_bytes per element and
+    flops_per_s (the floor's rate). Returns the count of failed cells."""
     read_bps, gemm_fps = read_ceilings(args.jsonl, backend)
+    weight_bytes = 2.0
+    reference = reference_rows
+    if weight_format is not None:
+        weight_bytes = weight_format.weight_bytes
+        gemm_fps = weight_format.flops_per_s
+        reference = weight_format.reference
     dev = torch.device("cuda")
     wanted = set(args.shapes.split(","))
     tokens_list = [int(t) for t in args.tokens.split(",") if t]
@@ -135,6 +145,8 @@ def run_cells(args, backend, make_call, *, captured=True, time_routing=False, ex
                 continue
             w13 = uniform_(torch.empty((e, 2 * inter, h), device=dev, dtype=torch.bfloat16), 2.0 / math.sqrt(h), gen)
             w2 = uniform_(torch.empty((e, h, inter), device=dev, dtype=torch.bfloat16), 2.0 / math.sqrt(inter), gen)
+            if weight_format is not None:
+                w13, w2 = weight_format.prepare(w13, w2)
             for m in tokens_list:
                 record = {"backend": backend, "shape": name, "tokens": m, "E": e, "k": k, "H": h, "I": inter}
                 record.update(extra(e, inter) if extra else {})
@@ -183,13 +195,13 @@ def run_cells(args, backend, make_call, *, captured=True, time_routing=False, ex
 
                     x0, _, wt0, ids0 = sets[0]
                     check = sorted({int(t) for t in torch.linspace(0, m - 1, min(m, CHECK_TOKENS)).round().tolist()})
-                    ref = reference_rows(x0, ids0, wt0, w13, w2, check)
+                    ref = reference(x0, ids0, wt0, w13, w2, check)
                     err = max_token_rel_err(result, ref, check)
                     if not bool(torch.isfinite(result).all()):  # a NaN or inf outside the checked tokens
                         err = math.inf
 
                     flops = 6.0 * m * k * h * inter
-                    bytes_ = touched * 2.0 * (3.0 * h * inter) + 2.0 * 2.0 * m * h + 8.0 * m * k
+                    bytes_ = touched * weight_bytes * (3.0 * h * inter) + 2.0 * 2.0 * m * h + 8.0 * m * k
                     floor_ms = max(bytes_ / read_bps, flops / gemm_fps) * 1e3
                     record.update({
                         "ms": ms, "floor_ms": floor_ms, "fraction_of_floor": floor_ms / ms,

@@ -6,8 +6,9 @@
 
 The table gives, per shape and token count, each backend's median ms and fraction of the
 floor, and the subject backend's speed-up over the best peer of the same cell (the fastest
-of the rows whose backend starts with sglang_triton or torch_; the bench's variants of the
-subject are not peers), with the geometric mean over the cells where both ran. The picture
+of the rows whose backend starts with sglang_triton or torch_, in the subject's weight
+format: fp8 rows are the bar for fp8 backends only; the bench's variants of the subject are
+not peers), with the geometric mean over the cells where both ran. The picture
 (matplotlib, where installed) draws fraction_of_floor against tokens, one panel per shape.
 Rows of another tree built for comparison (BACKEND@baseline) are left out unless named.
 """
@@ -33,12 +34,13 @@ def is_peer(backend):
     return backend.startswith(PEER_PREFIXES) and "@" not in backend
 
 
-def best_peer(by, backends, shape, tokens):
-    """(backend, ms) of the fastest peer row of the cell, or (None, None)."""
+def best_peer(by, backends, shape, tokens, subject):
+    """(backend, ms) of the fastest peer row of the cell in the subject's weight format (an
+    fp8 row is no bar for a bf16 backend, nor the reverse), or (None, None)."""
     best = (None, None)
     for b in backends:
         row = by.get((b, shape, tokens))
-        if is_peer(b) and row and row.get("ms"):
+        if is_peer(b) and ("fp8" in b) == ("fp8" in subject) and row and row.get("ms"):
             if best[1] is None or row["ms"] < best[1]:
                 best = (b, row["ms"])
     return best
@@ -65,7 +67,7 @@ def table(head, cells, backends, subject):
                 row.append("failed")
             else:
                 row.append(f"{c['ms']:.4g} ({c.get('fraction_of_floor', 0):.2f})")
-        peer, peer_ms = best_peer(by, backends, shape, tokens)
+        peer, peer_ms = best_peer(by, backends, shape, tokens, subject)
         mine = by.get((subject, shape, tokens))
         if peer and mine and mine.get("ms"):
             r = peer_ms / mine["ms"]
