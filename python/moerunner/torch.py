@@ -10,6 +10,10 @@ The ops are moerunner::topk and moerunner::fused_moe. A runner is not a tensor, 
 its handle (an int a runner gets the first time it is passed here); runners stay alive while
 their handle is registered. The workspace comes from torch's caching allocator on every call
 (inside a graph capture, from the graph's pool), the stream is torch's current stream.
+
+fused_moe's optional status is the caller's int32 [2] tensor (bad_slots, first_bad_slot) that a
+cuda_fused run adds bad expert ids to, as MoeRunner.run's: the op declares it mutated, so a
+compiled or graph-captured model reads it after the step, and zeroes it where a count starts.
 """
 
 from typing import List, Optional, Tuple
@@ -48,22 +52,23 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if x.dtype == torch.float8_e4m3fn else x.dtype
 
 
-@torch.library.custom_op("moerunner::fused_moe", mutates_args=())
+@torch.library.custom_op("moerunner::fused_moe", mutates_args=("status",))
 def _fused_moe(runner_handle: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
                hidden_scales: Optional[torch.Tensor], w13_scale: Optional[torch.Tensor],
-               w2_scale: Optional[torch.Tensor]) -> torch.Tensor:
+               w2_scale: Optional[torch.Tensor], status: Optional[torch.Tensor] = None) -> torch.Tensor:
     runner = _runners[runner_handle]
     out = torch.empty(_out_shape(runner, x), dtype=_out_dtype(x), device=x.device)
     nbytes = runner.workspace_bytes(x.shape[0])
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
     runner.run(x, topk_ids, topk_weights, w13, w2, out=out, workspace=workspace, stream=_stream(x), b13=b13, b2=b2,
-               hidden_scales=hidden_scales, w13_scale=w13_scale, w2_scale=w2_scale)
+               status=status, hidden_scales=hidden_scales, w13_scale=w13_scale, w2_scale=w2_scale)
     return out
 
 
 @_fused_moe.register_fake
-def _(runner_handle, x, topk_ids, topk_weights, w13, w2, b13, b2, hidden_scales, w13_scale, w2_scale):
+def _(runner_handle, x, topk_ids, topk_weights, w13, w2, b13, b2, hidden_scales, w13_scale, w2_scale, status=None):
+    # status is only added to in place: its shape and dtype are the caller's, nothing to build.
     return x.new_empty(_out_shape(_runners[runner_handle], x), dtype=_out_dtype(x))
 
 
@@ -89,10 +94,12 @@ def _(router_logits, correction_bias, top_k, scoring, renormalize, num_expert_gr
 
 
 def fused_moe(runner: MoeRunner, x, topk_ids, topk_weights, w13, w2, b13=None, b2=None, hidden_scales=None,
-              w13_scale=None, w2_scale=None):
-    """runner.run(...) as the op moerunner::fused_moe: a new output tensor, workspace from torch."""
+              w13_scale=None, w2_scale=None, status=None):
+    """runner.run(...) as the op moerunner::fused_moe: a new output tensor, workspace from torch.
+    status: None, or the int32 [2] tensor (bad_slots, first_bad_slot) on x's device that a
+    cuda_fused run adds bad expert ids to (runs only add; the caller zeroes it)."""
     return torch.ops.moerunner.fused_moe(handle(runner), x, topk_ids, topk_weights, w13, w2, b13, b2,
-                                         hidden_scales, w13_scale, w2_scale)
+                                         hidden_scales, w13_scale, w2_scale, status)
 
 
 def topk(router_logits, *, top_k, correction_bias=None, scoring="softmax", renormalize=True, num_expert_group=0,

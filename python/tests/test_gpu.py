@@ -75,6 +75,51 @@ def test_status_counts_bad_ids():
     assert status.tolist() == [1, 3 * K + 1]
 
 
+@pytest.mark.parametrize("mode", ["eager", "compile", "graph"])
+def test_status_through_the_torch_op(mode):
+    """moerunner::fused_moe's status, eager, under torch.compile(fullgraph=True) and replayed from
+    a CUDA graph: the bad slot is counted and left out like -1, and runs add to the word."""
+    import moerunner.torch as mt
+
+    x, ids, weights, w13, w2 = problem(8)
+    ids[3, 1] = 1000
+    status = torch.zeros(2, dtype=torch.int32, device="cuda")
+    r = runner("cuda_fused")
+
+    def step(x, ids, weights, status):
+        return mt.fused_moe(r, x, ids, weights, w13, w2, status=status)
+
+    if mode == "compile":
+        call = torch.compile(step, fullgraph=True)
+    elif mode == "graph":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(x, ids, weights, status)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        status.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = step(x, ids, weights, status)
+        torch.cuda.synchronize()
+        assert status.tolist() == [0, 0]  # captured, not run
+
+        def call(*args):
+            graph.replay()
+            return captured
+    else:
+        call = step
+    out = call(x, ids, weights, status)
+    torch.cuda.synchronize()
+    assert status.tolist() == [1, 3 * K + 1]
+    good = ids.clone()
+    good[3, 1] = -1
+    torch.testing.assert_close(out.float(), moe_f32(x, good, weights, w13, w2), rtol=2e-2, atol=2e-2)
+    call(x, ids, weights, status)
+    torch.cuda.synchronize()
+    assert status.tolist() == [2, 3 * K + 1]
+
+
 def test_torch_compile_fullgraph():
     x, ids, weights, w13, w2 = problem(16)
     router = torch.randn(E, H, device="cuda").bfloat16()

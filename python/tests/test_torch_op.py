@@ -37,6 +37,32 @@ def test_opcheck():
     topk_weights, ids = mt.topk(x @ router.T, top_k=K)
     torch.library.opcheck(torch.ops.moerunner.fused_moe.default,
                           (mt.handle(runner), x, ids, topk_weights, w13, w2, None, None, None, None, None))
+    status = torch.zeros(2, dtype=torch.int32)  # declared mutated: opcheck runs it through functionalization
+    torch.library.opcheck(torch.ops.moerunner.fused_moe.default,
+                          (mt.handle(runner), x, ids, topk_weights, w13, w2, None, None, None, None, None, status))
+
+
+def test_status_through_the_op():
+    """The op hands status to the run: checked there (int32 [2], the runner's memory space), and
+    left alone by the reference backend, which rejects bad ids itself (cuda_fused counts them:
+    test_gpu.py)."""
+    router, w13, w2 = weights()
+    x = torch.randn(M, H)
+    runner = moerunner.MoeRunner("reference", num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
+    topk_weights, ids = mt.topk(x @ router.T, top_k=K)
+    status = torch.zeros(2, dtype=torch.int32)
+    out = mt.fused_moe(runner, x, ids, topk_weights, w13, w2, status=status)
+    torch.testing.assert_close(out, runner.run(x, ids, topk_weights, w13, w2), rtol=0, atol=0)
+    assert status.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="status"):
+        mt.fused_moe(runner, x, ids, topk_weights, w13, w2, status=torch.zeros(2, dtype=torch.float32))
+    with pytest.raises(ValueError, match="status"):
+        mt.fused_moe(runner, x, ids, topk_weights, w13, w2, status=torch.zeros(3, dtype=torch.int32))
+    bad = ids.clone()
+    bad[1, 0] = E
+    with pytest.raises(ValueError):
+        mt.fused_moe(runner, x, bad, topk_weights, w13, w2, status=status)
+    assert status.tolist() == [0, 0]
 
 
 def test_compile_fullgraph_on_cpu():
@@ -46,3 +72,20 @@ def test_compile_fullgraph_on_cpu():
     x = torch.randn(M, H)
     compiled = torch.compile(module, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
+
+
+def test_compile_fullgraph_with_status_on_cpu():
+    """A status tensor through torch.compile: aot_eager functionalizes the op (the mutated
+    argument), as inductor does."""
+    router, w13, w2 = weights()
+    runner = moerunner.MoeRunner("reference", num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
+    status = torch.zeros(2, dtype=torch.int32)
+
+    def layer(x, status):
+        topk_weights, ids = mt.topk(x @ router.T, top_k=K)
+        return mt.fused_moe(runner, x, ids, topk_weights, w13, w2, status=status)
+
+    x = torch.randn(M, H)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, status), layer(x, status), rtol=0, atol=0)
+    assert status.tolist() == [0, 0]
