@@ -1,7 +1,8 @@
 """moerunner: the Mixture-of-Experts layer of an inference engine (routing, expert GEMMs with
 their gated activation, combine), on the C++ library's backends.
 
-    backends()            the backends this build runs ("reference"; with CUDA "cuda_fused", "cublas_grouped")
+    backends()            the backends this build runs ("reference"; with CUDA also "cuda_fused",
+                          "cublas_grouped", "cuda_fused_fp8")
     MoeRunner(...)        one layer's runner: run(), workspace_bytes(), describe()
     topk(...)             routing: router logits to (topk_weights, topk_ids)
     moerunner.torch       torch.library ops (imported on demand; needs torch)

@@ -24,7 +24,7 @@ def test_version_is_meson_builds():
 def test_backends_follow_the_build():
     info = moerunner.build_info()
     if info["cuda"]:
-        assert moerunner.backends() == ["reference", "cuda_fused", "cublas_grouped"]
+        assert moerunner.backends() == ["reference", "cuda_fused", "cublas_grouped", "cuda_fused_fp8"]
         assert info["gpu_archs"]
     else:
         assert moerunner.backends() == ["reference"]

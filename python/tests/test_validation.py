@@ -42,7 +42,7 @@ def test_config(change, message):
 def test_unknown_backend():
     with pytest.raises(LookupError, match=re.escape(
             "unknown MoE runner backend 'no such': neither built in nor registered; known backends: reference, "
-            "cuda_fused, cublas_grouped")) as info:
+            "cuda_fused, cublas_grouped, cuda_fused_fp8")) as info:
         moerunner.MoeRunner("no such", **BASE)
     assert type(info.value) is moerunner.RegistryError
 

@@ -14,6 +14,6 @@ TEST_CASE("a backend registered in a static archive linked the ordinary way is n
   CHECK(reg.deferred_errors().empty());
   CHECK_THROWS_WITH_AS(reg.resolve("archived"),
                        "unknown MoE runner backend 'archived': neither built in nor registered; known backends: "
-                       "reference, cuda_fused, cublas_grouped",
+                       "reference, cuda_fused, cublas_grouped, cuda_fused_fp8",
                        mr::registry_error);
 }

@@ -97,7 +97,7 @@ TEST_CASE("the macro registered the custom backend in the global registry, at th
   CHECK(std::string_view(rec->site.file) == __FILE__);
   CHECK(rec->site.line == marker_registration_line);
   CHECK(reg.registered().size() == 1);
-  CHECK(reg.known_names() == "reference, cuda_fused, cublas_grouped, test_marker");
+  CHECK(reg.known_names() == "reference, cuda_fused, cublas_grouped, cuda_fused_fp8, test_marker");
 }
 
 TEST_CASE("a custom backend chosen by name runs through standard dispatch and combine") {

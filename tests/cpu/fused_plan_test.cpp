@@ -2,10 +2,12 @@
 // both read, checked on the host for the devices it plans for.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
 
+#include "moerunner/gpu/fp8_plan.hpp"
 #include "moerunner/gpu/fused_plan.hpp"
 
 namespace g = moerunner::gpu;
@@ -188,4 +190,99 @@ TEST_CASE("settings: dependent launches and the in-GEMM schedule as set") {
   CHECK(q.describe().find("zeroed between") != std::string::npos);
   const g::fused_plan zero = plan_of(qwen3(), 0);
   check_layout(zero, qwen3());
+}
+
+// ---- cuda_fused_fp8 (gpu::make_fp8_plan)
+
+namespace {
+
+moe_config_params deepseek() {
+  return {.num_experts = 256, .hidden_size = 7168, .intermediate_size = 2048, .top_k = 8};
+}
+
+void check_fp8_layout(const g::fp8_plan& p, const moe_config_params& c) {
+  const g::fp8_workspace& w = p.workspace;
+  const auto m = static_cast<std::size_t>(p.num_tokens);
+  const auto slots = m * static_cast<std::size_t>(c.top_k);
+  const auto h = static_cast<std::size_t>(c.hidden_size), inter = static_cast<std::size_t>(c.intermediate_size);
+  CHECK(w.schedule == w.plan + w.plan_bytes);
+  CHECK(w.x_q == w.schedule + w.schedule_bytes);
+  CHECK(w.x_scale == w.x_q + w.x_q_bytes);
+  CHECK(w.act == w.x_scale + w.x_scale_bytes);
+  CHECK(w.act_scale == w.act + w.act_bytes);
+  CHECK(w.rows == w.act_scale + w.act_scale_bytes);
+  CHECK(w.total == w.rows + w.rows_bytes + g::plan_piece_alignment);
+  for (std::size_t off : {w.schedule, w.x_q, w.x_scale, w.act, w.act_scale, w.rows})
+    CHECK(off % g::plan_piece_alignment == 0);
+  CHECK(w.x_q_bytes >= m * h);
+  CHECK(w.x_scale_bytes >= m * (h / 128) * 4);
+  CHECK(w.act_bytes >= slots * inter);
+  CHECK(w.act_scale_bytes >= slots * (inter / 128) * 4);
+  CHECK(w.schedule_bytes >= g::tile_schedule_bytes(static_cast<std::int64_t>(slots), c.num_experts, 64));
+  switch (p.down) {
+    case g::down_store::rows: CHECK(w.rows_bytes >= slots * h * 2); break;
+    case g::down_store::partials: CHECK(w.rows_bytes >= slots * h * 4 * static_cast<std::size_t>(p.down_k_splits)); break;
+    default: CHECK(w.rows_bytes == 0);
+  }
+}
+
+g::fp8_plan fp8_plan_of(moe_config_params p, std::int64_t m, g::device_target dev = h200) {
+  return g::make_fp8_plan(MoeRunnerConfig(p), m, dev);
+}
+
+}  // namespace
+
+TEST_CASE("fp8 plan: 64-row tiles, GEMM2 into the output, K split where items come in few waves, layouts consistent") {
+  for (const moe_config_params& c : {mixtral(), qwen3(), deepseek()})
+    for (std::int64_t m : {0, 1, 7, 64, 512, 4096, 16384}) {
+      CAPTURE(c.num_experts);
+      CAPTURE(m);
+      const g::fp8_plan p = fp8_plan_of(c, m);
+      CHECK(p.schedule_block_m == 64);
+      check_fp8_layout(p, c);
+      CHECK(p.describe().find("cuda_fused_fp8 M=" + std::to_string(m)) == 0);
+      // A split keeps at least 4 K tiles of 128.
+      CHECK(p.down_k_splits <= std::max(1, c.intermediate_size / 128 / 4));
+      if (m >= 4096) CHECK(p.down_k_splits == 1);
+    }
+  // DeepSeek-V3 at one token: 8 experts x 28 N tiles on 132 SMs take two item times; splitting
+  // K evens them out, and the parts meet in the output's reductions.
+  const g::fp8_plan d1 = fp8_plan_of(deepseek(), 1);
+  CHECK(d1.down_k_splits > 1);
+  CHECK(d1.down == g::down_store::accumulate);
+  CHECK(d1.clear_in_gemm1);
+  CHECK_FALSE(d1.combine_kernel);
+}
+
+TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
+  moe_config_params det = deepseek();
+  det.deterministic = true;
+  const g::fp8_plan d = fp8_plan_of(det, 1);
+  CHECK(d.down == g::down_store::partials);  // split K at decode: f32 parts summed in split order
+  CHECK(d.combine_kernel);
+  CHECK_FALSE(d.clear_in_gemm1);
+  check_fp8_layout(d, det);
+  moe_config_params inv = deepseek();
+  inv.batch_invariant = true;
+  for (std::int64_t m : {1, 7, 64, 4096}) {
+    const g::fp8_plan p = fp8_plan_of(inv, m);
+    CHECK(p.down_k_splits == 1);
+    CHECK(p.down == g::down_store::rows);
+    CHECK(p.combine_kernel);
+  }
+  moe_config_params nc = mixtral();
+  nc.no_combine = true;
+  const g::fp8_plan s = fp8_plan_of(nc, 5);
+  CHECK(s.down == g::down_store::slots);
+  CHECK(s.down_k_splits == 1);
+  CHECK(s.clear_in_gemm1);  // the slots of filtered ids stay zero
+}
+
+TEST_CASE("fp8 plan: the split count follows the device's SMs (workspace sized per device)") {
+  moe_config_params det = deepseek();
+  det.deterministic = true;
+  const g::device_target slice{.code_arch = 90, .has_wgmma = true, .sm_count = 16};
+  const g::fp8_plan whole = fp8_plan_of(det, 1), small = fp8_plan_of(det, 1, slice);
+  CHECK(whole.down_k_splits != small.down_k_splits);
+  CHECK(whole.workspace.total != small.workspace.total);
 }

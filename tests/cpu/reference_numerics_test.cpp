@@ -251,21 +251,24 @@ struct problem {
         const int ex = ids.ptr<const std::int32_t>()[t * k + j];
         if (ex < 0) continue;
         const double w = weights.ptr<const float>()[t * k + j];
+        // fp8: the row is quantized as it is, and a router weight on the input scales the sums.
         std::vector<double> xin = xrow;
-        if (s.router_on_input)
-          for (double& v : xin) v *= w;
         if (s.fp8 && !s.fp8_input) quantize_groups(xin);
+        const double sum_scale = s.fp8 && s.router_on_input ? w : 1.0;
+        if (s.router_on_input && !s.fp8)
+          for (double& v : xin) v *= w;
         std::vector<double> act(inter);
         const auto bias = [&](const host_tensor& b, int col) {
           return s.bias ? decode(b.view, std::int64_t(ex) * b.view.shape[1] + col) : 0.0;
         };
         for (int i = 0; i < inter; ++i) {
           const int gate_row = s.interleaved ? 2 * i : i, up_row = s.interleaved ? 2 * i + 1 : inter + i;
-          double gate = bias(b13, gate_row), up = 0.0;
+          double gate = 0.0, up = 0.0;
           for (int c = 0; c < h; ++c) gate += w13v(ex, gate_row, c) * xin[c];
+          gate = gate * sum_scale + bias(b13, gate_row);
           if (s.gated) {
-            up = bias(b13, up_row);
             for (int c = 0; c < h; ++c) up += w13v(ex, up_row, c) * xin[c];
+            up = up * sum_scale + bias(b13, up_row);
           }
           act[i] = naive_activation(s.act, s.gated, gate, up);
         }

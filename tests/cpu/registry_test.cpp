@@ -21,15 +21,16 @@ constexpr char name63[] = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQ
 constexpr char name64[] = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_+";
 static_assert(sizeof(name63) == 64 && sizeof(name64) == 65);
 
-std::string builtins_list() { return "reference, cuda_fused, cublas_grouped"; }
+std::string builtins_list() { return "reference, cuda_fused, cublas_grouped, cuda_fused_fp8"; }
 
 }  // namespace
 
-TEST_CASE("the built-in list has the three documented backends, each with a valid name and a description") {
-  static_assert(mr::builtin::all.size() == 3, "a new built-in needs its predicate spelled out in these tests");
+TEST_CASE("the built-in list has the four documented backends, each with a valid name and a description") {
+  static_assert(mr::builtin::all.size() == 4, "a new built-in needs its predicate spelled out in these tests");
   CHECK(mr::builtin::all[0].id.name() == "reference");
   CHECK(mr::builtin::all[1].id.name() == "cuda_fused");
   CHECK(mr::builtin::all[2].id.name() == "cublas_grouped");
+  CHECK(mr::builtin::all[3].id.name() == "cuda_fused_fp8");
   std::set<std::string_view> names;
   for (const auto& b : mr::builtin::all) {
     CHECK(mr::backend_name_problem(b.id.name()).empty());
@@ -42,12 +43,14 @@ TEST_CASE("the built-in list has the three documented backends, each with a vali
   CHECK(mr::builtin::reference == mr::builtin::all[0].id);
   CHECK(mr::builtin::cuda_fused == mr::builtin::all[1].id);
   CHECK(mr::builtin::cublas_grouped == mr::builtin::all[2].id);
+  CHECK(mr::builtin::cuda_fused_fp8 == mr::builtin::all[3].id);
 }
 
 TEST_CASE("exactly one predicate is true for every built-in") {
   for (const auto& b : mr::builtin::all) {
     CAPTURE(b.id.name());
-    const int spelled = int(b.id.is_reference()) + int(b.id.is_cuda_fused()) + int(b.id.is_cublas_grouped());
+    const int spelled = int(b.id.is_reference()) + int(b.id.is_cuda_fused()) + int(b.id.is_cublas_grouped()) +
+                        int(b.id.is_cuda_fused_fp8());
     CHECK(spelled == 1);
     // The same count taken from the X-macro list, so a built-in added there is covered too.
     int generated = 0;
@@ -65,6 +68,9 @@ TEST_CASE("exactly one predicate is true for every built-in") {
   CHECK(mr::builtin::cublas_grouped.is_cublas_grouped());
   CHECK_FALSE(mr::builtin::cublas_grouped.is_reference());
   CHECK_FALSE(mr::builtin::cublas_grouped.is_cuda_fused());
+  CHECK(mr::builtin::cuda_fused_fp8.is_cuda_fused_fp8());
+  CHECK_FALSE(mr::builtin::cuda_fused_fp8.is_cuda_fused());
+  CHECK_FALSE(mr::builtin::cuda_fused.is_cuda_fused_fp8());
   static_assert(mr::builtin::reference.is_reference() && !mr::builtin::reference.is_cuda_fused());
   static_assert(mr::backend_id(std::string_view("cublas_grouped")).is_cublas_grouped());
 }
@@ -78,6 +84,7 @@ TEST_CASE("a registered backend's id has no built-in predicate") {
   CHECK_FALSE(id.is_reference());
   CHECK_FALSE(id.is_cuda_fused());
   CHECK_FALSE(id.is_cublas_grouped());
+  CHECK_FALSE(id.is_cuda_fused_fp8());
   // Case matters: a near-spelling of a built-in is a different backend.
   const mr::backend_id upper(std::string_view("Reference"));
   CHECK_FALSE(upper.is_reference());

@@ -66,7 +66,7 @@ TEST_CASE("the replacement is registered as such, at this file and line") {
   CHECK(std::string_view(rec->site.file) == __FILE__);
   CHECK(rec->site.line == replacement_line);
   // Still one name: the list of known backends does not grow.
-  CHECK(reg.known_names() == "reference, cuda_fused, cublas_grouped");
+  CHECK(reg.known_names() == "reference, cuda_fused, cublas_grouped, cuda_fused_fp8");
 }
 
 TEST_CASE("a runner that lists the replacement runs it for \"reference\"") {

@@ -10,4 +10,5 @@
 #define MOERUNNER_BUILTIN_BACKENDS(X)                                                        \
   X(reference, "reference", "CPU oracle: the whole pipeline on the host, f32 math with f64 sums") \
   X(cuda_fused, "cuda_fused", "fused CUDA kernels: grouped tensor-core GEMMs with fused activation") \
-  X(cublas_grouped, "cublas_grouped", "cuBLAS grouped GEMM for both GEMMs, project kernels for the rest")
+  X(cublas_grouped, "cublas_grouped", "cuBLAS grouped GEMM for both GEMMs, project kernels for the rest") \
+  X(cuda_fused_fp8, "cuda_fused_fp8", "fused CUDA kernels in fp8 e4m3 with 128x128 block scales (Hopper wgmma, sm_90a)")

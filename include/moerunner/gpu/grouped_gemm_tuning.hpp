@@ -363,8 +363,8 @@ inline std::size_t tile_schedule_bytes(std::int64_t rows, int num_experts, int b
                           sizeof(moe_m_tile));
 }
 
-// K splits for the wgmma GEMM2 (n = H columns in items of `cols`, k = I) over a schedule of
-// at most `tile_bound` M tiles. Where the (M tile, N tile) items come in few waves over the SMs
+// K splits for the wgmma GEMM2 (n = H columns in items of `cols`, k = I in K tiles of `bk`)
+// over a schedule of at most `tile_bound` M tiles. Where the (M tile, N tile) items come in few waves over the SMs
 // (decode: few active experts), a whole wave is idle in the worst case (224 items on 132 SMs
 // take two item times, 1.7 of them busy): splitting each item's K range into s parts makes
 // items * s work items, and the split count with the fewest item times, ceil(items * s /
@@ -372,11 +372,11 @@ inline std::size_t tile_schedule_bytes(std::int64_t rows, int num_experts, int b
 // min_k_tiles_per_split K tiles so that its pipeline fills. Host arithmetic only: the
 // workspace query and the run agree on it.
 constexpr int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_count,
-                                  int cols = sm90_wgmma_gemm_policy::tuning.block_n) {
+                                  int cols = sm90_wgmma_gemm_policy::tuning.block_n,
+                                  int bk = sm90_wgmma_gemm_policy::tuning.block_k) {
   constexpr std::int64_t min_k_tiles_per_split = 4, max_splits = 16, max_waves = 4;
   const std::int64_t items = tile_bound * ((n + cols - 1) / cols);
   if (items <= 0 || sm_count <= 0 || items > max_waves * sm_count) return 1;
-  constexpr int bk = sm90_wgmma_gemm_policy::tuning.block_k;
   const std::int64_t k_tiles = (k + bk - 1) / bk;
   const std::int64_t most = std::max<std::int64_t>(1, std::min(max_splits, k_tiles / min_k_tiles_per_split));
   const auto item_times = [&](std::int64_t s) {

@@ -50,8 +50,8 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // crosses from gate rows into up rows or into the next expert: rows past n and columns past k
 // read as zeros. Halves (row h * n + j) map as {k, n, halves, E}; interleaved gate/up rows (row
 // 2j + h) as {k, 2, n, E}, the half before the row so that the strides still grow with the
-// dimension. Boxes are box_rows rows x 64 elements (128 bytes, one swizzle row) of one half of
-// one expert, laid out in shared memory alike in both orders.
+// dimension. Boxes are box_rows rows x 128 bytes (one swizzle row: 64 16-bit elements or 128
+// fp8 ones, as bytes) of one half of one expert, laid out in shared memory alike in both orders.
 template <class T>
 CUtensorMap weight_tensor_map(const T* b, std::int64_t rows_per_expert, int n, int k, int num_experts,
                               bool interleaved = false, int box_rows = 128) {
@@ -69,11 +69,14 @@ CUtensorMap weight_tensor_map(const T* b, std::int64_t rows_per_expert, int n, i
   const cuuint64_t strides[3] = {row_bytes, interleaved ? 2 * row_bytes : static_cast<cuuint64_t>(n) * row_bytes,
                                  expert_bytes};
   MOE_EXPECT(box_rows > 0 && box_rows <= 256 && box_rows % 8 == 0, where, "box_rows must be a multiple of 8 up to 256");
-  const cuuint32_t box[4] = {64, interleaved ? 1 : static_cast<cuuint32_t>(box_rows),
+  const cuuint32_t box[4] = {128 / sizeof(T), interleaved ? 1 : static_cast<cuuint32_t>(box_rows),
                              interleaved ? static_cast<cuuint32_t>(box_rows) : 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half> || std::is_same_v<T, std::uint8_t>,
+                "weights are bf16, f16 or fp8 bytes");
   constexpr CUtensorMapDataType type = std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+                                       : std::is_same_v<T, __half>      ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                        : CU_TENSOR_MAP_DATA_TYPE_UINT8;
   CUtensorMap map{};
   const CUresult r = tensor_map_encoder()(&map, type, 4, const_cast<T*>(b), dims, strides, box, element_strides,
                                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,

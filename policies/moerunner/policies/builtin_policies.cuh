@@ -10,6 +10,7 @@
 
 #include "moerunner/core/backend_id.hpp"
 #include "moerunner/policies/cublas_grouped_policy.cuh"
+#include "moerunner/policies/cuda_fused_fp8_policy.cuh"
 #include "moerunner/policies/cuda_fused_policy.cuh"
 #include "moerunner/policies/reference_policy.hpp"
 #include "moerunner/runner/moe_runner.hpp"
@@ -29,9 +30,10 @@ consteval bool names_match_builtin_list() {
 
 // Every built-in backend plus any extra (registered) policies an engine adds.
 template <class... Extra>
-using builtin_moe_runner = MoeRunner<reference_policy, cuda_fused_policy, cublas_grouped_policy, Extra...>;
+using builtin_moe_runner = MoeRunner<reference_policy, cuda_fused_policy, cublas_grouped_policy, cuda_fused_fp8_policy, Extra...>;
 
-static_assert(detail::names_match_builtin_list<reference_policy, cuda_fused_policy, cublas_grouped_policy>(),
+static_assert(detail::names_match_builtin_list<reference_policy, cuda_fused_policy, cublas_grouped_policy,
+                                                  cuda_fused_fp8_policy>(),
               "builtin_moe_runner must list exactly the policies of MOERUNNER_BUILTIN_BACKENDS, in that order.");
 static_assert(!std::is_polymorphic_v<builtin_moe_runner<>>);
 

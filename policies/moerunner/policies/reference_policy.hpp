@@ -122,16 +122,20 @@ class reference_policy {
     std::vector<double> result(static_cast<std::size_t>(rows_per_token) * h);
     std::vector<double> act(inter);
     for (std::int64_t t = 0; t < m; ++t) {
-      const std::vector<double> x0 = load_row(d, t);
+      std::vector<double> x0 = load_row(d, t);
+      // fp8: the token's row is quantized once (per 128 values), whatever its slots; a router
+      // weight applied on the input then scales GEMM1's sums (act(W (w x)) = act(w (W x))), as
+      // the GPU backends do, so that the quantized row is the same for every slot.
+      if (fp8 && d.hidden_states.type != dtype::f8_e4m3) reference::fp8_group_roundtrip(x0);
       std::fill(result.begin(), result.end(), 0.0);
       for (int j = 0; j < k; ++j) {
         const int e = ids[t * k + j];
         if (e < 0) continue;  // filtered slot: contributes nothing
         const double wgt = wts[t * k + j];
         std::vector<double> x = x0;
-        if (cfg_.apply_router_weight_on_input())
+        const double sum_scale = fp8 && cfg_.apply_router_weight_on_input() ? wgt : 1.0;
+        if (!fp8 && cfg_.apply_router_weight_on_input())
           for (double& v : x) v *= wgt;
-        if (fp8 && d.hidden_states.type != dtype::f8_e4m3) reference::fp8_group_roundtrip(x);
         const reference::expert_matrix a(w13, s13, e), b(w2, s2, e);
         const std::int64_t rows13 = cfg_.w13_rows();
         for (int i = 0; i < inter; ++i) {
@@ -139,9 +143,11 @@ class reference_policy {
           const std::int64_t up_row = w13_row(cfg_.gate_up_layout(), 1, i, inter);
           double gate = bias(b13, e * rows13 + gate_row), up = 0.0;
           for (int c = 0; c < h; ++c) gate += a(gate_row, c) * x[c];
+          gate *= sum_scale;
           if (cfg_.is_gated()) {
             up = bias(b13, e * rows13 + up_row);
             for (int c = 0; c < h; ++c) up += a(up_row, c) * x[c];
+            up *= sum_scale;
           }
           act[i] = reference::apply_activation(cfg_.act(), cfg_.is_gated(), gate, up);
         }

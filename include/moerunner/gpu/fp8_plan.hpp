@@ -1,0 +1,98 @@
+// The cuda_fused_fp8 backend's run plan: every choice one run makes for (config, M, device), the
+// single source of its workspace query and of the run (as fused_plan.hpp is for cuda_fused).
+// Host arithmetic only: built with the host compiler, tested without a GPU.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "moerunner/core/config.hpp"
+#include "moerunner/gpu/fused_plan.hpp"
+#include "moerunner/gpu/grouped_gemm_tuning.hpp"
+#include "moerunner/gpu/routing_plan.hpp"
+
+namespace moerunner::gpu {
+
+// The fp8 GEMMs' tile (kernels::wgmma_fp8_shape, restated for host code): 64 rows, 256 B rows
+// (GEMM2: 256 output columns), K tiles of 128 (one scale block).
+inline constexpr int fp8_block_m = 64, fp8_down_cols = 256, fp8_block_k = 128, fp8_group_size = 128;
+
+// Workspace pieces as byte offsets from the 256-byte aligned start; total includes the slack.
+struct fp8_workspace {
+  std::size_t plan = 0, plan_bytes = 0;
+  std::size_t schedule = 0, schedule_bytes = 0;
+  std::size_t x_q = 0, x_q_bytes = 0;          // the input rows in e4m3 [M, H] (unless given so)
+  std::size_t x_scale = 0, x_scale_bytes = 0;  // their scales [M, H / 128]
+  std::size_t act = 0, act_bytes = 0;          // GEMM1's e4m3 act [M*k, I]
+  std::size_t act_scale = 0, act_scale_bytes = 0;  // [M*k, I / 128]
+  std::size_t rows = 0, rows_bytes = 0;        // GEMM2's rows (16-bit) or f32 K-split parts
+  std::size_t total = 0;
+};
+
+struct fp8_plan {
+  std::int64_t num_tokens = 0;
+  int schedule_block_m = fp8_block_m;
+  int down_k_splits = 1;
+  down_store down = down_store::accumulate;
+  bool combine_kernel = false;  // a combine kernel sums GEMM2's rows or parts per token afterwards
+  bool clear_in_gemm1 = false;  // GEMM1 zeroes the output GEMM2 adds or scatters into
+  fp8_workspace workspace;
+
+  std::string describe() const {
+    std::string s = "cuda_fused_fp8 M=" + std::to_string(num_tokens) + ": wgmma e4m3 m64 (schedule tiles of " +
+                    std::to_string(schedule_block_m) + " rows), GEMM2 " + std::string(down_store_name(down));
+    if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
+    if (combine_kernel) s += " + combine kernel";
+    s += "; workspace " + std::to_string(workspace.total) + " B (x e4m3 + scales " +
+         std::to_string(workspace.x_q_bytes + workspace.x_scale_bytes) + ", act e4m3 + scales " +
+         std::to_string(workspace.act_bytes + workspace.act_scale_bytes) + ", rows " +
+         std::to_string(workspace.rows_bytes) + ", plan + schedule " +
+         std::to_string(workspace.plan_bytes + workspace.schedule_bytes) + ")";
+    return s;
+  }
+};
+
+// The plan of one run over num_tokens tokens on `dev` (its SM count sets GEMM2's K splits).
+// GEMM2 stores as cuda_fused's wgmma GEMM2 does (plan_detail::store_mode); the input rows are
+// quantized into the workspace first, so GEMM1 may clear the output even when it aliases x.
+inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_tokens, const device_target& dev) {
+  fp8_plan p;
+  p.num_tokens = num_tokens;
+  const std::int64_t slots = num_tokens * cfg.top_k();
+  const int e = cfg.num_local_experts();
+  const down_store store = plan_detail::store_mode(cfg, gemm_family::wgmma, slots);
+  if (!cfg.no_combine() && !cfg.batch_invariant() && num_tokens > 0) {
+    const std::int64_t tile_bound = std::min(moe_m_tile_capacity(slots, e, fp8_block_m), slots);
+    p.down_k_splits = wgmma_down_k_splits(tile_bound, cfg.hidden_size(), cfg.intermediate_size(), dev.sm_count,
+                                          fp8_down_cols, fp8_block_k);
+  }
+  p.down = store == down_store::rows && p.down_k_splits > 1 ? down_store::partials : store;
+  p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;
+  p.clear_in_gemm1 = !p.combine_kernel;
+
+  const auto m = static_cast<std::size_t>(num_tokens);
+  const auto r = static_cast<std::size_t>(slots);
+  const auto h = static_cast<std::size_t>(cfg.hidden_size()), inter = static_cast<std::size_t>(cfg.intermediate_size());
+  const auto groups = [](std::size_t n) { return (n + fp8_group_size - 1) / fp8_group_size; };
+  fp8_workspace& w = p.workspace;
+  w.plan_bytes = plan_piece_bytes(routing_plan_bytes(num_tokens, cfg.top_k(), e));
+  w.schedule = w.plan + w.plan_bytes;
+  w.schedule_bytes = plan_piece_bytes(tile_schedule_bytes(slots, e, fp8_block_m));
+  w.x_q = w.schedule + w.schedule_bytes;
+  w.x_q_bytes = plan_piece_bytes(m * h);
+  w.x_scale = w.x_q + w.x_q_bytes;
+  w.x_scale_bytes = plan_piece_bytes(m * groups(h) * 4);
+  w.act = w.x_scale + w.x_scale_bytes;
+  w.act_bytes = plan_piece_bytes(r * inter);
+  w.act_scale = w.act + w.act_bytes;
+  w.act_scale_bytes = plan_piece_bytes(r * groups(inter) * 4);
+  w.rows = w.act_scale + w.act_scale_bytes;
+  if (p.down == down_store::rows) w.rows_bytes = plan_piece_bytes(r * h * 2);
+  else if (p.down == down_store::partials) w.rows_bytes = plan_piece_bytes(static_cast<std::size_t>(p.down_k_splits) * r * h * 4);
+  w.total = w.rows + w.rows_bytes + plan_piece_alignment;
+  return p;
+}
+
+}  // namespace moerunner::gpu

@@ -1,0 +1,101 @@
+// Host launch code of the fp8 block-scaled grouped GEMMs (sm90_kernel_grouped_gemm_wgmma_fp8.cuh)
+// and of the input rows' group quantization (kernel_quantize_fp8.cuh). Like the 16-bit wgmma
+// GEMMs: the weights' TMA descriptor encoded per launch (host only, graph-capturable), one
+// persistent CTA per SM, the M-tile schedule of 64-row tiles built by the routing plan.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/gpu/sm90_grouped_gemm_wgmma_fp8.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "moerunner/core/error.hpp"
+#include "moerunner/gpu/cuda_check.hpp"
+#include "moerunner/gpu/grouped_gemm.cuh"
+#include "moerunner/gpu/pdl_launch.cuh"
+#include "moerunner/gpu/sm90_grouped_gemm_wgmma.cuh"
+#include "moerunner/kernels/kernel_quantize_fp8.cuh"
+#include "moerunner/kernels/sm90_kernel_grouped_gemm_wgmma_fp8.cuh"
+
+namespace moerunner::gpu {
+
+// x [rows, h] (bf16 or f16, h a multiple of 128, 8-byte aligned) -> q [rows, h] e4m3 and
+// scales [rows, h / 128] f32.
+template <class T>
+void quantize_rows_fp8(const T* x, std::int64_t rows, int h, std::uint8_t* q, float* scales, cudaStream_t stream) {
+  MOE_EXPECT(h > 0 && h % kernels::fp8_group == 0, "gpu::quantize_rows_fp8", "h must be a positive multiple of 128");
+  const std::int64_t groups = rows * (h / kernels::fp8_group);
+  if (groups == 0) return;
+  constexpr int warps = 8;
+  const std::int64_t blocks = (groups + warps - 1) / warps;
+  MOE_EXPECT(blocks <= 0x7fffffff, "gpu::quantize_rows_fp8", "too many rows");
+  kernels::quantize_rows_fp8_kernel<T><<<static_cast<unsigned>(blocks), 32 * warps, 0, stream>>>(x, groups, h, q, scales);
+  MOE_CUDA_CHECK_LAUNCH("quantize_rows_fp8_kernel");
+}
+
+// Sets the kernel's dynamic shared memory limit once per device and checks that a CTA fits.
+template <class T, kernels::moe_gemm_kind Kind>
+void prepare_wgmma_fp8_gemm(const device_facts& dev) {
+  constexpr int cached_devices = 64;
+  static std::array<std::atomic<bool>, cached_devices> ready{};
+  const bool cached = dev.device >= 0 && dev.device < cached_devices;
+  if (cached && ready[dev.device].load(std::memory_order_relaxed)) return;
+  using shape = kernels::wgmma_fp8_shape;
+  const auto kernel = kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind>;
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shape::smem_bytes));
+  int n = 0;
+  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, shape::threads, shape::smem_bytes));
+  MOE_EXPECT(n > 0, "gpu::launch_moe_gemm_wgmma_fp8",
+             "the fp8 wgmma GEMM does not fit on this device (" + std::to_string(shape::smem_bytes) +
+                 " bytes of shared memory per CTA)");
+  if (cached) ready[dev.device].store(true, std::memory_order_relaxed);
+}
+
+// Launches one fp8 grouped GEMM over `schedule` (built for 64-row tiles); b is the e4m3 weights
+// [num_experts, p.g.b_rows_per_expert, p.g.k]. Fills p.g.tiles, tile_count and n_tiles.
+template <class T, kernels::moe_gemm_kind Kind>
+void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uint8_t* b, int num_experts,
+                               const tile_schedule& schedule, const device_facts& dev, cudaStream_t stream,
+                               bool dependent_launch = false) {
+  constexpr const char* where = "gpu::launch_moe_gemm_wgmma_fp8";
+  using tile_t = kernels::moe_gemm_wgmma_fp8<T, Kind>;
+  kernels::moe_gemm_params<T>& g = p.g;
+  MOE_EXPECT(schedule.block_m == tile_t::block_m, where, "the tile schedule was built for another block_m");
+  if (!wgmma_gemm_available(dev))
+    throw unsupported_error(std::string(where) + ": the fp8 GEMMs need code compiled for sm_90a; this device (sm_" +
+                            std::to_string(dev.arch) + ") runs code compiled for sm_" + std::to_string(dev.code_arch) +
+                            " without it");
+  MOE_EXPECT(g.k > 0 && g.k % kernels::fp8_group == 0 && g.n > 0 && g.n % kernels::fp8_group == 0, where,
+             "the GEMM's n and k must be positive multiples of 128 (the scale blocks)");
+  if (schedule.capacity == 0) return;
+  MOE_EXPECT(!g.interleaved || Kind == kernels::moe_gemm_kind::gate_up, where,
+             "only the gated GEMM1 reads interleaved gate/up rows");
+  const CUtensorMap map =
+      weight_tensor_map(b, g.b_rows_per_expert, g.n, g.k, num_experts, g.interleaved, tile_t::box_rows);
+  prepare_wgmma_fp8_gemm<T, Kind>(dev);
+  const std::int64_t n_tiles = (g.n + tile_t::out_cols - 1) / tile_t::out_cols;
+  const bool may_split = Kind == kernels::moe_gemm_kind::down && (g.store == kernels::down_store::accumulate ||
+                                                                   g.store == kernels::down_store::partials);
+  MOE_EXPECT(g.k_splits == 1 || (may_split && g.k_splits >= 1 && g.k_splits <= g.k / tile_t::block_k), where,
+             "k_splits must be 1, or for GEMM2 into the output or partials at most the K tiles, got " +
+                 std::to_string(g.k_splits));
+  MOE_EXPECT(g.store != kernels::down_store::partials || g.partials != nullptr, where, "partials is null");
+  MOE_EXPECT(g.raster_band >= 1, where, "raster_band must be positive");
+  const std::int64_t work_bound = schedule.capacity * n_tiles * g.k_splits;
+  const std::int64_t ctas = std::min<std::int64_t>(work_bound, dev.sm_count);
+  g.tiles = schedule.tiles;
+  g.tile_count = schedule.count;
+  g.n_tiles = static_cast<int>(n_tiles);
+  launch_dependent(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind>, dim3(static_cast<unsigned>(ctas)),
+                   dim3(tile_t::threads), tile_t::smem_bytes, stream, dependent_launch, p, map);
+  MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_fp8_kernel");
+}
+
+}  // namespace moerunner::gpu

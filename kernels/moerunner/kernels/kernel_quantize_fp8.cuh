@@ -1,0 +1,62 @@
+// Device code of fp8 e4m3 group quantization: rows cut into groups of 128 consecutive values,
+// each stored as e4m3 with one f32 scale. One rule for every place that quantizes (the input
+// rows here, GEMM1's act in the fp8 GEMM's epilogue), the rule the reference mirrors
+// (reference_policy.hpp, fp8_group_roundtrip): scale = amax / 448 (1 where amax is 0; NaN values
+// do not count towards amax), q = e4m3(v / scale) rounded to nearest even and saturated to
+// +-448 (NaN stays NaN). Dividing by the scale rather than multiplying by 448 / amax keeps the
+// result the host's bit for bit.
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/kernels/kernel_quantize_fp8.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <cstdint>
+
+#include <cuda_fp8.h>
+
+#include "moerunner/kernels/vector_io.cuh"
+
+namespace moerunner::kernels {
+
+inline constexpr int fp8_group = 128;
+inline constexpr float fp8_e4m3_max = 448.0f;
+
+__device__ __forceinline__ float fp8_group_scale(float amax) {
+  return amax > 0.0f ? __fdiv_rn(amax, fp8_e4m3_max) : 1.0f;
+}
+
+// Two values divided by their group's scale, as two e4m3 bytes (lo at the lower address).
+__device__ __forceinline__ std::uint16_t fp8_pack2(float lo, float hi, float scale) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(lo, scale), __fdiv_rn(hi, scale)), __NV_SATFINITE, __NV_E4M3);
+}
+
+// One warp per group of 128 (4 values per lane, 8-byte loads): q [rows, h] e4m3 and
+// scales [rows, h / 128]; h is a multiple of 128, x 8-byte aligned.
+template <class T>
+__global__ void quantize_rows_fp8_kernel(const T* __restrict__ x, std::int64_t groups, int h,
+                                         std::uint8_t* __restrict__ q, float* __restrict__ scales) {
+  const std::int64_t group = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (group >= groups) return;
+  const int lane = threadIdx.x % 32;
+  const int per_row = h / fp8_group;
+  const std::int64_t first = (group / per_row) * h + (group % per_row) * fp8_group + 4 * lane;
+  const uint2 raw = *reinterpret_cast<const uint2*>(x + first);
+  const T* v = reinterpret_cast<const T*>(&raw);
+  float f[4];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[i] = to_f32(v[i]);
+    amax = fmaxf(amax, fabsf(f[i]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float scale = fp8_group_scale(amax);
+  const std::uint32_t packed = static_cast<std::uint32_t>(fp8_pack2(f[0], f[1], scale)) |
+                               (static_cast<std::uint32_t>(fp8_pack2(f[2], f[3], scale)) << 16);
+  *reinterpret_cast<std::uint32_t*>(q + first) = packed;
+  if (lane == 0) scales[group] = scale;
+}
+
+}  // namespace moerunner::kernels

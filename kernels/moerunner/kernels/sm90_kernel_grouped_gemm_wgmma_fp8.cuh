@@ -1,0 +1,369 @@
+// Device code of the fp8 block-scaled grouped GEMMs (sm_90a only): e4m3 A and B, one f32 scale
+// per 128 x 128 block of B and per row and 128 columns of A, f32 results. The same warp-specialized,
+// persistent structure, work order, M-tile schedule and GEMM2 epilogue as the 16-bit wgmma
+// kernels (sm90_kernel_grouped_gemm_wgmma.cuh); GEMM1's epilogue quantizes act for GEMM2.
+//
+// Tile: 64 rows x 256 B rows x 128 K (one scale block of K per stage, 128 bytes: one 128-byte
+// swizzle row), five stages. Each of the two consumer warpgroups takes all 64 rows and 128 of
+// the B rows with one m64n128k32 per 32 K: for gate_up its 64 gate rows and their 64 up rows
+// (loaded as four 64-row TMA boxes: gate, up of warpgroup 0, then of warpgroup 1), so the CTA
+// covers 128 act columns, one quantization group; otherwise 128 consecutive rows.
+//
+// Precision: the tensor cores add fp8 products with fewer mantissa bits than f32 (about 14),
+// so a K tile's four wgmma run into a fresh f32 block (scale-d 0 on the first) that the
+// consumer then adds into its f32 accumulators times the row's A scale and the block's B scale
+// (the promotion DeepSeek-V3's report describes): the reduced-precision sums span 128 products,
+// never the whole K.
+//
+// The producer copies per stage: the B boxes by TMA (thread 0), the gathered A rows by 16-byte
+// cp.async (every thread, as the 16-bit kernel), each row's A scale of the K tile and the
+// warpgroups' B block scales by 4-byte cp.async, all signalled through the stage's full barrier
+// (cp.async.mbarrier.arrive); the consumers read the scales from shared memory.
+//
+// GEMM1's epilogue: act = activation(gate, up) in f32 (times the router weight where applied on
+// the input), each row's amax over the CTA's 128 columns (a quad shuffle, then the two
+// warpgroups' halves through shared memory), and e4m3 act + its scale, by the rule of
+// kernel_quantize_fp8.cuh. GEMM2's: the 16-bit kernels' (sm90_wgmma_epilogue.cuh).
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/kernels/sm90_kernel_grouped_gemm_wgmma_fp8.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <cstdint>
+
+#include <cuda.h>
+#include <cuda/ptx>
+
+#include "moerunner/kernels/activation_math.cuh"
+#include "moerunner/kernels/kernel_grouped_gemm.cuh"
+#include "moerunner/kernels/kernel_quantize_fp8.cuh"
+#include "moerunner/kernels/pdl.cuh"
+#include "moerunner/kernels/sm90_ptx.cuh"
+#include "moerunner/kernels/sm90_wgmma_epilogue.cuh"
+
+namespace moerunner::kernels {
+
+// T: the output's 16-bit type (GEMM2's rows and output). `g` carries the schedule, sizes, row
+// order, router weights and GEMM2's store as for the 16-bit kernels; its a, b and c are not read
+// here except GEMM2's c (the output or rows).
+template <class T>
+struct moe_gemm_fp8_params {
+  moe_gemm_params<T> g;
+  const std::uint8_t* a = nullptr;  // e4m3: GEMM1 x [M, k] (rows gathered), GEMM2 act [R, k]
+  const float* a_scale = nullptr;   // [rows of a, k / 128]
+  const float* b_scale = nullptr;   // [E, b_rows_per_expert / 128, k / 128]
+  std::uint8_t* act = nullptr;      // GEMM1: e4m3 act [R, n]
+  float* act_scale = nullptr;       // GEMM1: [R, n / 128]
+};
+
+// The tile's constants, shared with the launch code.
+struct wgmma_fp8_shape {
+  static constexpr int block_m = 64, block_n = 256, block_k = 128, stages = 5, consumers = 2;
+  static constexpr int a_bytes = block_m * block_k, b_bytes = block_n * block_k;
+  static constexpr int scale_bytes = 1024;  // A scales (64 floats), B scales (4), padding to 1024
+  static constexpr int stage_bytes = a_bytes + b_bytes + scale_bytes;
+  static constexpr int smem_bytes = stages * stage_bytes + 1024;  // + alignment slack
+  static constexpr int threads = 128 * (1 + consumers);
+  static_assert(smem_bytes <= 227 * 1024, "the ring must fit in shared memory");
+  static_assert(stage_bytes % 1024 == 0 && a_bytes % 1024 == 0, "tiles start on swizzle-pattern boundaries");
+};
+
+__device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// Four consumer threads (a quad) share a row: the max over the quad's values.
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+template <class T, moe_gemm_kind Kind>
+struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
+  static constexpr int bm = block_m, bn = block_n, bk = block_k;
+  static constexpr int halves = Kind == moe_gemm_kind::gate_up ? 2 : 1;
+  static constexpr int out_cols = bn / halves;        // output columns per CTA: 128 gated, else 256
+  static constexpr int box_rows = halves == 2 ? 64 : 128;
+  static constexpr int boxes = bn / box_rows;
+  static constexpr int b_scales = consumers * halves;  // per stage: each warpgroup's gate (and up) block
+  static constexpr int a_scale_offset = a_bytes + b_bytes, b_scale_offset = a_scale_offset + block_m * 4;
+  static constexpr int producer_threads = 128, consumer_warps = 4 * consumers;
+  static constexpr int chunks_per_row = bk / 16;                           // 16-byte chunks: 8
+  static constexpr int rows_per_pass = producer_threads / chunks_per_row;  // 16
+  static constexpr int a_passes = bm / rows_per_pass;                      // 4
+  static constexpr int k_steps = bk / 32;                                  // wgmma per K tile
+  static constexpr int producer_regs = 56, consumer_regs = 216;
+  static_assert(producer_threads * producer_regs + consumers * 128 * consumer_regs <= 65536,
+                "the register split must fit the SM's register file");
+  static_assert(b_scale_offset + b_scales * 4 <= a_bytes + b_bytes + scale_bytes, "the scales fit their area");
+
+  struct barriers {
+    std::uint64_t full[stages];
+    std::uint64_t empty[stages];
+  };
+
+  // Row of expert's B (of b_rows_per_expert) that B box `box` of the tile at output column n0
+  // starts with, and the half it is in (gate_up: warpgroup box / 2, half box % 2).
+  __device__ __forceinline__ static void box_origin(const moe_gemm_fp8_params<T>& p, int box, int n0, int& row,
+                                                    int& half) {
+    if constexpr (halves == 2) {
+      row = n0 + 64 * (box / 2);
+      half = box % 2;
+    } else {
+      row = n0 + 128 * box;
+      half = 0;
+    }
+    (void)p;
+  }
+
+  // The B row (in expert rows) whose 128-row scale block warpgroup w's half h rows use.
+  __device__ __forceinline__ static std::int64_t scale_row(const moe_gemm_fp8_params<T>& p, int w, int h, int n0) {
+    if constexpr (halves == 2) {
+      const int col = n0 + 64 * w;
+      return p.g.interleaved ? 2 * static_cast<std::int64_t>(col) + h : static_cast<std::int64_t>(h) * p.g.n + col;
+    } else {
+      return n0 + 128 * w;
+    }
+  }
+
+  __device__ static void producer(const moe_gemm_fp8_params<T>& p, const CUtensorMap* b_map, unsigned char* ring,
+                                  barriers& bars) {
+    const moe_gemm_params<T>& g = p.g;
+    const int tid = threadIdx.x;  // 0..127
+    const int ld_row = tid / chunks_per_row, ld_chunk = tid % chunks_per_row;
+    const int st_chunk = ld_chunk ^ (ld_row & 7);  // rows_per_pass is a multiple of 8
+    const int k_tiles = g.k / bk;
+    const int a_scale_stride = k_tiles;
+    const std::int64_t b_scale_rows = g.b_rows_per_expert / fp8_group;
+    const int tiles = *g.tile_count;
+    const std::int64_t work = static_cast<std::int64_t>(tiles) * g.n_tiles * g.k_splits;
+    std::uint32_t it = 0;
+    for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+      const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
+      const int n0 = item.n_tile * out_cols;
+      const gpu::moe_m_tile tile = g.tiles[item.m_tile];
+      const int rows = tile.row_end - tile.row_begin;
+      int kt_begin = 0, kt_end = 0;
+      split_k_range(k_tiles, item.split, g.k_splits, kt_begin, kt_end);
+      int a_src_row[a_passes];
+#pragma unroll
+      for (int i = 0; i < a_passes; ++i) {
+        const int r = ld_row + i * rows_per_pass;
+        if (r >= rows) a_src_row[i] = -1;
+        else if constexpr (Kind == moe_gemm_kind::down) a_src_row[i] = tile.row_begin + r;
+        else a_src_row[i] = g.row_to_slot[tile.row_begin + r] / g.top_k;
+      }
+      // The B scale this thread copies per stage (threads of chunk 1, one per scale), or none.
+      const bool copies_b_scale = ld_chunk == 1 && ld_row < b_scales;
+      std::int64_t b_scale_base = 0;
+      bool b_scale_ok = false;
+      if (copies_b_scale) {
+        const std::int64_t row = scale_row(p, ld_row / halves, ld_row % halves, n0);
+        b_scale_ok = row < g.b_rows_per_expert;  // a box past n (GEMM2's last N tile) reads zeros
+        b_scale_base = (tile.expert * b_scale_rows + row / fp8_group) * k_tiles;
+      }
+      for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
+        const int stage = static_cast<int>(it % stages);
+        mbarrier_wait(&bars.empty[stage], ((it / stages) & 1) ^ 1);
+        unsigned char* sa = ring + stage * stage_bytes;
+        if (tid == 0) {
+          cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
+                                               &bars.full[stage], static_cast<std::uint32_t>(b_bytes));
+#pragma unroll
+          for (int b = 0; b < boxes; ++b) {
+            int row = 0, half = 0;
+            box_origin(p, b, n0, row, half);
+            const bool swapped = halves == 2 && g.interleaved;
+            const std::int32_t coords[4] = {kt * bk, swapped ? half : row, swapped ? row : half, tile.expert};
+            cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global,
+                                            sa + a_bytes + b * box_rows * bk, b_map, coords, &bars.full[stage]);
+          }
+        }
+        const int kcol = kt * bk + ld_chunk * 16;
+#pragma unroll
+        for (int i = 0; i < a_passes; ++i) {
+          // Rows past the tile keep whatever the stage held: their results are never stored, and
+          // a wgmma row reads only its own A row (and its own scale).
+          if (a_src_row[i] < 0) continue;
+          const int r = ld_row + i * rows_per_pass;
+          cp_async_16(smem_address(sa + r * bk + st_chunk * 16), p.a + static_cast<std::int64_t>(a_src_row[i]) * g.k + kcol,
+                      true);
+          if (ld_chunk == 0)
+            cp_async_4(smem_address(sa + a_scale_offset + r * 4),
+                       p.a_scale + static_cast<std::int64_t>(a_src_row[i]) * a_scale_stride + kt, true);
+        }
+        if (copies_b_scale)
+          cp_async_4(smem_address(sa + b_scale_offset + ld_row * 4), p.b_scale + (b_scale_ok ? b_scale_base + kt : 0),
+                     b_scale_ok);
+        cp_async_arrive_noinc(&bars.full[stage]);
+      }
+    }
+  }
+
+  __device__ static void consumer(const moe_gemm_fp8_params<T>& p, unsigned char* ring, barriers& bars,
+                                  float (&amax_exchange)[2][consumers][block_m]) {
+    const moe_gemm_params<T>& g = p.g;
+    const int group = threadIdx.x / 128 - 1;  // consumer warpgroup
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int k_tiles = g.k / bk;
+    if constexpr (Kind != moe_gemm_kind::down)
+      clear_output(g, static_cast<int>(threadIdx.x) - producer_threads, 128 * consumers);
+    const int tiles = *g.tile_count;
+    const std::int64_t work = static_cast<std::int64_t>(tiles) * g.n_tiles * g.k_splits;
+    const std::uint32_t ring_addr = smem_address(ring);
+    std::uint32_t it = 0;
+    int exchange = 0;  // which half of amax_exchange this item uses (see the gate_up epilogue)
+    float acc[64], part[64];
+    for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+      const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
+      const int n0 = item.n_tile * out_cols;
+      const gpu::moe_m_tile tile = g.tiles[item.m_tile];
+      const int rows = tile.row_end - tile.row_begin;
+      int kt_begin = 0, kt_end = 0;
+      split_k_range(k_tiles, item.split, g.k_splits, kt_begin, kt_end);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+      for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
+        const int stage = static_cast<int>(it % stages);
+        mbarrier_wait(&bars.full[stage], (it / stages) & 1);
+        // The A rows and scales came by cp.async (generic proxy); wgmma reads through the async proxy.
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+        const std::uint32_t sa = ring_addr + stage * stage_bytes;
+        const std::uint64_t da = sw128_kmajor_desc(sa);
+        const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + group * 128 * bk);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < k_steps; ++kk) {
+          const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
+          wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(part);
+        const unsigned char* stage_ptr = ring + stage * stage_bytes;
+        const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
+        const float* b_scale_s = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
+        const int r0 = 16 * warp + lane / 4;
+        const float sa0 = a_scales[r0], sa1 = a_scales[r0 + 8];
+        const float sb0 = b_scale_s[group * halves], sb1 = b_scale_s[group * halves + halves - 1];
+        __syncwarp();
+        if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[stage]);
+        // Register 4j + 2h + q: row r0 + 8h, column 8j + 2(lane % 4) + q of the warpgroup's 128
+        // B rows (gate_up: j < 8 gate rows, j >= 8 their up rows).
+        const float f[2][2] = {{sa0 * sb0, sa0 * sb1}, {sa1 * sb0, sa1 * sb1}};
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[i]);
+      }
+      if (rows <= 0) continue;
+      if constexpr (Kind == moe_gemm_kind::down) {
+        wgmma_epilogue<T, Kind>::template store<16, false>(
+            g, tile, n0 + 128 * group, item.split, 0, warp, lane, [&](int j, int i) { return acc[4 * j + i]; },
+            [&](int, int) { return 0.0f; });
+      } else {
+        store_act(p, tile, n0, group, warp, lane, acc, amax_exchange[exchange]);
+        exchange ^= 1;
+      }
+    }
+  }
+
+  // GEMM1's epilogue: the warpgroup's act values of rows r0 and r0 + 8, quantized per 128 columns.
+  // gate_up: the CTA's 128 columns are 64 of each warpgroup; their amax meet in `exchange`
+  // (both warpgroups run every item, so the named barrier sees all 256 threads). Alternating
+  // halves of amax_exchange per item keep a warpgroup's next writes off the other's reads:
+  // writing half e again needs the barrier of the item between, which the other passes only
+  // after its reads of half e.
+  __device__ __forceinline__ static void store_act(const moe_gemm_fp8_params<T>& p, const gpu::moe_m_tile& tile,
+                                                   int n0, int group, int warp, int lane, const float (&acc)[64],
+                                                   float (&exchange)[consumers][block_m]) {
+    const moe_gemm_params<T>& g = p.g;
+    constexpr int cols = halves == 2 ? 64 : 128;  // act columns of this warpgroup
+    const int col_base = halves == 2 ? n0 + 64 * group : n0 + 128 * group;
+    const int rows = tile.row_end - tile.row_begin;
+    if (halves == 1 && col_base >= g.n) return;  // a warpgroup past n (uniform across it)
+    const int scales_per_row = g.n / fp8_group;
+    float v[2][cols / 4];
+    float amax[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * warp + lane / 4 + 8 * h;
+      const bool valid = r < rows;
+      // act(W (w x)) = act(w (W x)): the router weight scales the f32 sums instead of x.
+      const float scale = valid && g.input_weights != nullptr ? g.input_weights[g.row_to_slot[tile.row_begin + r]]
+                                                              : 1.0f;
+      amax[h] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < cols / 8; ++j)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const float s = acc[4 * j + 2 * h + q] * scale;
+          const float a = halves == 2 ? apply_activation(g.act, true, s, acc[4 * (j + 8) + 2 * h + q] * scale)
+                                      : apply_activation(g.act, false, s, 0.0f);
+          v[h][2 * j + q] = a;
+          amax[h] = fmaxf(amax[h], fabsf(a));
+        }
+      amax[h] = quad_max(amax[h]);
+    }
+    if constexpr (halves == 2) {
+      if (lane % 4 == 0)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) exchange[group][16 * warp + lane / 4 + 8 * h] = amax[h];
+      asm volatile("bar.sync 1, %0;\n" ::"n"(128 * consumers) : "memory");
+#pragma unroll
+      for (int h = 0; h < 2; ++h) amax[h] = fmaxf(amax[h], exchange[group ^ 1][16 * warp + lane / 4 + 8 * h]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * warp + lane / 4 + 8 * h;
+      if (r >= rows) continue;
+      const std::int64_t row = tile.row_begin + r;
+      const float scale = fp8_group_scale(amax[h]);
+      std::uint8_t* dst = p.act + row * g.n + col_base + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < cols / 8; ++j)
+        *reinterpret_cast<std::uint16_t*>(dst + 8 * j) = fp8_pack2(v[h][2 * j], v[h][2 * j + 1], scale);
+      if (lane % 4 == 0 && (halves == 1 || group == 0))
+        p.act_scale[row * scales_per_row + (halves == 2 ? n0 : col_base) / fp8_group] = scale;
+    }
+  }
+};
+
+// Persistent CTAs over work items in decode_work_item's order, K split into g.k_splits ranges
+// (GEMM2 into the output or f32 parts only). The body exists only in sm_90a code; elsewhere it
+// traps (the launch code checks first).
+template <class T, moe_gemm_kind Kind>
+__global__ void __launch_bounds__(wgmma_fp8_shape::threads, 1)
+    moe_grouped_gemm_wgmma_fp8_kernel(const moe_gemm_fp8_params<T> p, const __grid_constant__ CUtensorMap b_map) {
+#if MOERUNNER_WGMMA_COMPILED
+  using tile_t = moe_gemm_wgmma_fp8<T, Kind>;
+  __shared__ typename tile_t::barriers bars;
+  __shared__ float amax_exchange[2][tile_t::consumers][tile_t::block_m];
+  extern __shared__ unsigned char wgmma_fp8_smem_raw[];
+  const std::uint32_t raw = smem_address(wgmma_fp8_smem_raw);
+  unsigned char* ring = wgmma_fp8_smem_raw + (((raw + 1023) & ~1023u) - raw);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < tile_t::stages; ++s) {
+      cuda::ptx::mbarrier_init(&bars.full[s], tile_t::producer_threads + 1);
+      cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps);
+    }
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(&b_map) : "memory");
+  }
+  __syncthreads();
+  wait_for_prior_grids();
+  allow_dependent_grids();
+  if (threadIdx.x < tile_t::producer_threads) {
+    setmaxnreg_dec<tile_t::producer_regs>();
+    tile_t::producer(p, &b_map, ring, bars);
+  } else {
+    setmaxnreg_inc<tile_t::consumer_regs>();
+    tile_t::consumer(p, ring, bars, amax_exchange);
+  }
+#else
+  (void)p, (void)b_map;
+  __trap();
+#endif
+}
+
+}  // namespace moerunner::kernels

@@ -1,0 +1,219 @@
+// The `cuda_fused_fp8` backend: the runner core in fp8 e4m3 with 128 x 128 block scales
+// (DeepSeek-V3's format, fp8_block_quant_info) on Hopper's fp8 wgmma, sm_90a only.
+//
+// Pipeline, all on the caller's stream, nothing on the host in between (CUDA-graph capturable):
+//   routing plan and 64-row M-tile schedule (the plan kernel, as cuda_fused)
+//   -> the input rows quantized per token in groups of 128 into the workspace (e4m3 + an f32
+//      scale per group), unless hidden_states come as e4m3 with hidden_scales
+//   -> GEMM1: e4m3 x rows gathered inside the load, times w13[e]^T, each 128-K block's sum added
+//      into f32 times its row's x scale and the weight block's scale; the epilogue pairs gate
+//      and up columns, applies the activation in f32 (the router weight first where applied on
+//      the input) and writes act as e4m3 with one scale per row and 128 columns
+//   -> GEMM2: e4m3 act times w2[e]^T, scaled alike; rows into the output by vector reductions,
+//      or (deterministic, batch-invariant, or short I with many slots) rows that a combine
+//      kernel sums in slot order, or (no_combine) each row to its [token, slot] place; at
+//      decode GEMM2 also splits K (gpu::make_fp8_plan decides, once per run).
+// The quantization points and rule are the reference's (fp8_block_method on `reference`), so
+// the two agree to the fp8 rounding of values the GEMMs compute in a different order.
+//
+// Requirements, checked with a clear error before anything runs: w13 and w2 e4m3 with f32 block
+// scales on the device; hidden_states bf16 or f16 (output: the same) or e4m3 with hidden_scales
+// [M, H/128] (output: bf16); hidden_size and intermediate_size multiples of 128; hidden_states,
+// w13 and w2 16-byte aligned, the output too unless GEMM2 writes rows; an sm_90a image on the
+// device. Expert ids outside [-1, num_local_experts) count as -1 and are reported as cuda_fused
+// reports them (the routing plan's flag, DispatchOutput::status). No biases (the format has none).
+#pragma once
+
+#if !defined(__CUDACC__)
+#error "moerunner/policies/cuda_fused_fp8_policy.cuh needs nvcc: include it from a .cu file"
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include <cuda/stream_ref>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include "moerunner/core/concepts.hpp"
+#include "moerunner/core/config.hpp"
+#include "moerunner/core/error.hpp"
+#include "moerunner/core/types.hpp"
+#include "moerunner/gpu/combine.cuh"
+#include "moerunner/gpu/fp8_plan.hpp"
+#include "moerunner/gpu/plan_schedule.cuh"
+#include "moerunner/gpu/routing_plan.hpp"
+#include "moerunner/gpu/sm90_grouped_gemm_wgmma.cuh"
+#include "moerunner/gpu/sm90_grouped_gemm_wgmma_fp8.cuh"
+#include "moerunner/runner/validate.hpp"
+
+namespace moerunner {
+
+class cuda_fused_fp8_policy {
+ public:
+  static constexpr std::string_view name = "cuda_fused_fp8";
+  static constexpr memory_space tensor_space = memory_space::device;
+  using quant_infos = quant_info_list<fp8_block_quant_info>;
+  static constexpr bool graph_capturable = true;
+  static constexpr std::size_t pointer_alignment = 16;
+
+  explicit cuda_fused_fp8_policy(const MoeRunnerConfig& cfg) : cfg_(cfg) {}
+
+  // Every choice of a run over num_tokens tokens (the single source of workspace_bytes and run),
+  // for the current device or a given one; describe() is one line for a log.
+  gpu::fp8_plan plan(std::int64_t num_tokens) const { return plan(num_tokens, gpu::current_device_target_or_none()); }
+  gpu::fp8_plan plan(std::int64_t num_tokens, const gpu::device_target& dev) const {
+    return gpu::make_fp8_plan(cfg_, num_tokens, dev);
+  }
+  std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
+
+  // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
+  // scales (+ GEMM2's rows or K-split parts when a combine kernel sums them). The split count
+  // follows the device's SM count: size a workspace for another device with its target.
+  std::size_t workspace_bytes(std::int64_t num_tokens) const { return plan(num_tokens).workspace.total; }
+  std::size_t workspace_bytes(std::int64_t num_tokens, const gpu::device_target& dev) const {
+    return plan(num_tokens, dev).workspace.total;
+  }
+
+  CombineInput run_from_dispatch(const DispatchOutput& d, const fp8_block_quant_info& q, const tensor_view& out,
+                                 workspace_view ws, cuda::stream_ref stream_ref) {
+    constexpr const char* where = "cuda_fused_fp8_policy";
+    detail::validate_dispatch(cfg_, d, out, tensor_space, where);
+    detail::validate_quant_info(cfg_, q, tensor_space, where);
+    const dtype type = d.hidden_states.type;
+    if (type != dtype::bf16 && type != dtype::f16 && type != dtype::f8_e4m3)
+      throw unsupported_error(std::string(where) + ": hidden_states must be bf16, f16 or f8_e4m3 with hidden_scales, got " +
+                              std::string(dtype_name(type)));
+    if (cfg_.hidden_size() % gpu::fp8_group_size != 0 || cfg_.intermediate_size() % gpu::fp8_group_size != 0)
+      throw unsupported_error(std::string(where) + ": hidden_size and intermediate_size must be multiples of 128 (the "
+                              "scale blocks), got " + std::to_string(cfg_.hidden_size()) + " and " +
+                              std::to_string(cfg_.intermediate_size()));
+    check::aligned(d.hidden_states, pointer_alignment, where, "hidden_states");
+    check::aligned(q.w13, pointer_alignment, where, "w13");
+    check::aligned(q.w2, pointer_alignment, where, "w2");
+    const std::int64_t m = d.num_tokens();
+    MOE_EXPECT(m * cfg_.top_k() <= 0x7fffffff, where, "num_tokens * top_k must fit in 32 bits");
+    const gpu::device_facts dev = gpu::current_device_facts();
+    const gpu::fp8_plan pl = plan(m, gpu::device_target_of(dev));
+    detail::validate_workspace(pl.workspace.total, ws, where);
+    if (!pl.combine_kernel)
+      MOE_EXPECT(reinterpret_cast<std::uintptr_t>(out.data) % pointer_alignment == 0, where,
+                 "the output must be 16-byte aligned (GEMM2 stores into it; deterministic mode with combining "
+                 "takes any alignment)");
+    const CombineInput result{out, !cfg_.no_combine()};
+    if (m == 0) return result;
+    if (!gpu::wgmma_gemm_available(dev))
+      throw unsupported_error(std::string(where) + ": fp8 GEMMs need code compiled for sm_90a; this device (sm_" +
+                              std::to_string(dev.arch) + ") runs code compiled for sm_" + std::to_string(dev.code_arch) +
+                              " without it");
+    if (out.type == dtype::bf16) run_as<__nv_bfloat16>(d, q, out, ws, pl, dev, stream_ref.get());
+    else run_as<__half>(d, q, out, ws, pl, dev, stream_ref.get());
+    return result;
+  }
+
+ private:
+  template <class T>
+  void run_as(const DispatchOutput& d, const fp8_block_quant_info& q, const tensor_view& out, workspace_view ws,
+              const gpu::fp8_plan& pl, const gpu::device_facts& dev, cudaStream_t stream) {
+    using kernels::moe_gemm_kind;
+    const gpu::fp8_workspace& lay = pl.workspace;
+    const std::int64_t m = d.num_tokens();
+    const int k = cfg_.top_k(), hidden = cfg_.hidden_size(), inter = cfg_.intermediate_size();
+    const std::int64_t slots = m * k;
+    auto start = reinterpret_cast<std::uintptr_t>(ws.data);
+    start = (start + gpu::plan_piece_alignment - 1) / gpu::plan_piece_alignment * gpu::plan_piece_alignment;
+    char* base = reinterpret_cast<char*>(start);
+
+    const gpu::plan_and_schedule built = gpu::build_routing_plan_and_schedule(
+        d.topk.topk_ids, cfg_.num_local_experts(), pl.schedule_block_m, base + lay.plan, lay.plan_bytes,
+        base + lay.schedule, lay.schedule_bytes, stream, false, d.status);
+    const gpu::routing_plan& plan = built.plan;
+
+    const std::uint8_t* x_q = nullptr;
+    const float* x_scale = nullptr;
+    if (d.hidden_states.type == dtype::f8_e4m3) {
+      x_q = d.hidden_states.ptr<const std::uint8_t>();
+      x_scale = d.hidden_scales.ptr<const float>();
+    } else {
+      auto* q8 = reinterpret_cast<std::uint8_t*>(base + lay.x_q);
+      auto* s = reinterpret_cast<float*>(base + lay.x_scale);
+      gpu::quantize_rows_fp8(d.hidden_states.ptr<const T>(), m, hidden, q8, s, stream);
+      x_q = q8;
+      x_scale = s;
+    }
+    auto* act = reinterpret_cast<std::uint8_t*>(base + lay.act);
+    auto* act_scale = reinterpret_cast<float*>(base + lay.act_scale);
+    const float* weights = d.topk.topk_weights.ptr<const float>();
+
+    kernels::moe_gemm_fp8_params<T> g1{};
+    g1.g.row_to_slot = plan.row_to_slot;
+    g1.g.top_k = k;
+    g1.g.b_rows_per_expert = cfg_.w13_rows();
+    g1.g.n = inter;
+    g1.g.k = hidden;
+    g1.g.input_weights = cfg_.apply_router_weight_on_input() ? weights : nullptr;
+    g1.g.act = cfg_.act();
+    g1.g.interleaved = cfg_.gate_up_layout() == w13_layout::interleaved;
+    g1.g.raster_band = raster_band;
+    if (pl.clear_in_gemm1) {
+      g1.g.clear = static_cast<uint4*>(out.data);
+      g1.g.clear_vectors = static_cast<std::int64_t>(out.bytes() / sizeof(uint4));  // H % 128 == 0: whole vectors
+    }
+    g1.a = x_q;
+    g1.a_scale = x_scale;
+    g1.b_scale = q.w13_scale.ptr<const float>();
+    g1.act = act;
+    g1.act_scale = act_scale;
+
+    const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
+    const float* row_weights = cfg_.apply_router_weight_on_input() ? nullptr : weights;
+    kernels::moe_gemm_fp8_params<T> g2{};
+    g2.g.row_to_slot = plan.row_to_slot;
+    g2.g.top_k = k;
+    g2.g.b_rows_per_expert = hidden;
+    g2.g.n = hidden;
+    g2.g.k = inter;
+    g2.g.act = cfg_.act();
+    g2.g.raster_band = raster_band;
+    g2.g.k_splits = pl.down_k_splits;
+    g2.g.store = pl.down;
+    if (pl.down == kernels::down_store::partials) {
+      g2.g.partials = reinterpret_cast<float*>(base + lay.rows);
+      g2.g.split_stride = slots * hidden;
+    } else if (pl.down == kernels::down_store::rows) {
+      g2.g.c = reinterpret_cast<T*>(base + lay.rows);
+    } else {
+      g2.g.c = static_cast<T*>(out.data);
+      g2.g.out_weights = row_weights;
+      g2.g.out_scale = scale;
+    }
+    g2.a = act;
+    g2.a_scale = act_scale;
+    g2.b_scale = q.w2_scale.ptr<const float>();
+
+    const int experts = cfg_.num_local_experts();
+    const auto* w13 = q.w13.ptr<const std::uint8_t>();
+    const auto* w2 = q.w2.ptr<const std::uint8_t>();
+    if (cfg_.is_gated())
+      gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up>(g1, w13, experts, built.schedule, dev, stream);
+    else gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only>(g1, w13, experts, built.schedule, dev, stream);
+    gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down>(g2, w2, experts, built.schedule, dev, stream);
+    if (pl.down == kernels::down_store::partials)
+      gpu::combine_rows(g2.g.partials, dtype::f32, plan, row_weights, scale, out, false, stream, pl.down_k_splits);
+    else if (pl.down == kernels::down_store::rows)
+      gpu::combine_rows(g2.g.c, out.type, plan, row_weights, scale, out, false, stream);
+  }
+
+  // M tiles per raster band, as the 16-bit wgmma tunings (bands of 8).
+  static constexpr int raster_band = 8;
+
+  MoeRunnerConfig cfg_;
+};
+
+static_assert(explain_dispatch_runner_core<cuda_fused_fp8_policy>());
+static_assert(!std::is_polymorphic_v<cuda_fused_fp8_policy>);
+
+}  // namespace moerunner

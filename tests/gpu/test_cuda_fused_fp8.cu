@@ -1,0 +1,418 @@
+// The cuda_fused_fp8 backend against the reference's fp8 path (fp8_block_quant_info), which
+// quantizes at the same points by the same rule: random and edge shapes, every combine mode,
+// pre-quantized inputs, NaN isolation, determinism and graph replay, batch invariance, bad
+// input rejected with nothing written, and the bad-id status. Exit 77 without a GPU; the
+// cases skip on a GPU without sm_90a code (the backend then refuses with unsupported_error).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.hpp"
+#include "moe_problem.hpp"
+#include "moerunner/moerunner.hpp"
+#include "moerunner/policies/cuda_fused_fp8_policy.cuh"
+
+namespace mr = moerunner;
+using mr::test::host_tensor;
+using mr::test::ids_kind;
+using shape = mr::test::moe_shape;
+using options = mr::test::moe_options;
+
+namespace {
+
+// Normwise bound against the reference, which shares the quantization points: what differs is
+// the f32 (and, within a 128-K block, the tensor cores' narrower) summation order, which moves
+// an act value across an e4m3 rounding boundary now and then (a 1/8 relative step of that one
+// value), plus the output's bf16/f16 rounding.
+constexpr double fp8_bound = 1e-2;
+// Per token: the issue's bound on any one token's row.
+constexpr double fp8_token_bound = 3e-2;
+
+bool fp8_gpu() { return mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts()); }
+
+// Random weights quantized per 128 x 128 block (scale amax / 448), as checkpoints ship them.
+void quantize_blocks(const host_tensor& w, host_tensor& q, host_tensor& scale) {
+  const std::int64_t e = w.view.shape[0], rows = w.view.shape[1], cols = w.view.shape[2];
+  const std::int64_t br = (rows + 127) / 128, bc = (cols + 127) / 128;
+  q = host_tensor(mr::dtype::f8_e4m3, {e, rows, cols});
+  scale = host_tensor(mr::dtype::f32, {e, br, bc});
+  for (std::int64_t x = 0; x < e; ++x)
+    for (std::int64_t b = 0; b < br; ++b)
+      for (std::int64_t c = 0; c < bc; ++c) {
+        float amax = 0.0f;
+        for (std::int64_t r = b * 128; r < std::min(rows, b * 128 + 128); ++r)
+          for (std::int64_t k = c * 128; k < std::min(cols, c * 128 + 128); ++k)
+            amax = std::max(amax, std::fabs(mr::test::element(w.view, (x * rows + r) * cols + k)));
+        const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+        scale.view.ptr<float>()[(x * br + b) * bc + c] = s;
+        for (std::int64_t r = b * 128; r < std::min(rows, b * 128 + 128); ++r)
+          for (std::int64_t k = c * 128; k < std::min(cols, c * 128 + 128); ++k) {
+            const std::int64_t i = (x * rows + r) * cols + k;
+            q.view.ptr<std::uint8_t>()[i] = mr::host_float::float_to_e4m3(mr::test::element(w.view, i) / s);
+          }
+      }
+}
+
+// A problem of moe_problem's inputs with fp8 block-scaled weights and the reference's fp8 output.
+struct fp8_problem {
+  mr::test::moe_problem base;  // x, ids, weights, config (its unquantized reference is unused)
+  host_tensor w13, w2, s13, s2, ref;
+  host_tensor xq, xs;  // with prequantized: x in e4m3 and its group scales
+  bool prequantized;
+
+  fp8_problem(const shape& s, mr::dtype t, const options& o, std::mt19937& rng, bool preq = false,
+              std::optional<mr::MoeRunnerConfig> cfg = std::nullopt)
+      : base(s, t, o, rng), prequantized(preq) {
+    if (cfg) base.cfg = *cfg;
+    quantize_blocks(base.w13, w13, s13);
+    quantize_blocks(base.w2, w2, s2);
+    if (preq) {
+      xq = host_tensor(mr::dtype::f8_e4m3, {s.m, s.h});
+      xs = host_tensor(mr::dtype::f32, {s.m, s.h / 128});
+      for (std::int64_t r = 0; r < s.m; ++r)
+        for (int g = 0; g < s.h / 128; ++g) {
+          float amax = 0.0f;
+          for (int c = 0; c < 128; ++c) amax = std::max(amax, std::fabs(mr::test::element(base.x.view, r * s.h + g * 128 + c)));
+          const float sc = amax > 0.0f ? amax / 448.0f : 1.0f;
+          xs.view.ptr<float>()[r * (s.h / 128) + g] = sc;
+          for (int c = 0; c < 128; ++c) {
+            const std::int64_t i = r * s.h + g * 128 + c;
+            xq.view.ptr<std::uint8_t>()[i] = mr::host_float::float_to_e4m3(mr::test::element(base.x.view, i) / sc);
+          }
+        }
+    }
+    const mr::dtype out_type = preq ? mr::dtype::bf16 : t;
+    ref = o.no_combine ? host_tensor(out_type, {s.m, s.k, s.h}) : host_tensor(out_type, {s.m, s.h});
+    mr::MoeRunner<mr::reference_policy> runner("reference", base.cfg);
+    if (o.inplace) {
+      host_tensor xin = base.x;
+      runner.run(mr::DispatchOutput{xin.view, {}, base.topk(base.weights.view, base.ids.view)}, quant(w13, s13, w2, s2),
+                 xin.view, {}, {});
+      std::memcpy(ref.view.data, xin.view.data, ref.view.bytes());
+    } else {
+      runner.run(dispatch_of(base.x, xq, xs, base.weights, base.ids), quant(w13, s13, w2, s2), ref.view, {}, {});
+    }
+  }
+
+  template <class Tensor>
+  static mr::fp8_block_quant_info quant(const Tensor& w13, const Tensor& s13, const Tensor& w2, const Tensor& s2) {
+    return {w13.view, s13.view, w2.view, s2.view};
+  }
+
+  template <class Tensor>
+  mr::DispatchOutput dispatch_of(const Tensor& x, const Tensor& xq, const Tensor& xs, const Tensor& weights,
+                                 const Tensor& ids) const {
+    if (prequantized) return {xq.view, xs.view, base.topk(weights.view, ids.view)};
+    return {x.view, {}, base.topk(weights.view, ids.view)};
+  }
+};
+
+using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_fp8_policy>;
+
+// Device copies of an fp8 problem and a runner with exactly the workspace it asks for.
+struct fp8_on_device {
+  mr::test::device_tensor x, xq, xs, w13, w2, s13, s2, weights, ids;
+  mr::test::device_buffer out_buf, ws_buf;
+  mr::tensor_view out;
+  runner_t runner;
+  mr::workspace_view ws;
+  mr::moe_status* status = nullptr;
+
+  explicit fp8_on_device(const fp8_problem& p)
+      : x(p.base.x), w13(p.w13), w2(p.w2), s13(p.s13), s2(p.s2), weights(p.base.weights), ids(p.base.ids),
+        runner("cuda_fused_fp8", p.base.cfg) {
+    if (p.prequantized) {
+      xq = mr::test::device_tensor(p.xq);
+      xs = mr::test::device_tensor(p.xs);
+    }
+    if (p.base.opt.inplace) {
+      out = x.view;
+    } else {
+      out_buf = mr::test::device_buffer(p.ref.view.bytes());
+      out = p.ref.view;
+      out.data = out_buf.get();
+      out.space = mr::memory_space::device;
+    }
+    const std::size_t need = runner.workspace_bytes(p.base.s.m);
+    ws_buf = mr::test::device_buffer(need);
+    ws = {ws_buf.get(), need};
+  }
+
+  void launch(const fp8_problem& p, cudaStream_t stream) {
+    mr::DispatchOutput d = p.dispatch_of(x, xq, xs, weights, ids);
+    d.status = status;
+    runner.run(d, fp8_problem::quant(w13, s13, w2, s2), out, ws, cuda::stream_ref(stream));
+  }
+
+  host_tensor result(const fp8_problem& p) const {
+    host_tensor h = p.ref;
+    if (out.bytes()) MOE_CUDA_CHECK(cudaMemcpy(h.view.data, out.data, out.bytes(), cudaMemcpyDeviceToHost));
+    return h;
+  }
+
+  // One run into an output poisoned with NaN (left as it is in place).
+  host_tensor run_once(const fp8_problem& p) {
+    if (!p.base.opt.inplace && out.bytes()) MOE_CUDA_CHECK(cudaMemset(out.data, 0xff, out.bytes()));
+    launch(p, nullptr);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    return result(p);
+  }
+};
+
+// The largest normwise relative error of one token's rows (rows of NaN in both count as equal).
+double worst_token_error(const host_tensor& got, const host_tensor& want, std::int64_t tokens) {
+  if (tokens == 0) return 0.0;
+  const std::int64_t per = want.view.numel() / tokens;
+  double worst = 0.0;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    double num = 0.0, den = 0.0;
+    for (std::int64_t i = t * per; i < (t + 1) * per; ++i) {
+      const double a = mr::test::element(got.view, i), b = mr::test::element(want.view, i);
+      if (std::isnan(a) != std::isnan(b) || std::isinf(a)) return INFINITY;
+      if (std::isnan(b)) continue;
+      num += (a - b) * (a - b);
+      den += b * b;
+    }
+    worst = std::max(worst, den > 0.0 ? std::sqrt(num / den) : std::sqrt(num));
+  }
+  return worst;
+}
+
+double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& rng, bool preq = false) {
+  CAPTURE(mr::test::describe(s, t, o));
+  CAPTURE(preq);
+  fp8_problem p(s, t, o, rng, preq);
+  fp8_on_device g(p);
+  const host_tensor got = g.run_once(p);
+  const double err = mr::test::rel_error(got.view, p.ref.view);
+  CHECK_MESSAGE(err <= fp8_bound, "rel err ", err, " bound ", fp8_bound);
+  const double tok = worst_token_error(got, p.ref, s.m);
+  CHECK_MESSAGE(tok <= fp8_token_bound, "worst token rel err ", tok);
+  return err;
+}
+
+}  // namespace
+
+TEST_CASE("fp8 against the reference's fp8 path") {
+  if (!fp8_gpu()) return;
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  const auto bf16 = mr::dtype::bf16;
+  double worst = 0.0;
+  SUBCASE("edge token counts") {
+    for (int m : {0, 1, 7, 300}) worst = std::max(worst, check_case({m, 8, 2, 256, 384}, bf16, {}, rng));
+  }
+  SUBCASE("top-k, experts, and sizes not multiple of the 256-row tile") {
+    worst = std::max(worst, check_case({64, 16, 4, 384, 256}, bf16, {}, rng));   // H % 256 = 128
+    worst = std::max(worst, check_case({50, 64, 8, 128, 128}, bf16, {}, rng));
+    worst = std::max(worst, check_case({40, 128, 6, 256, 128}, bf16, {}, rng));  // most experts get no rows
+    worst = std::max(worst, check_case({130, 8, 1, 640, 640}, mr::dtype::f16, {}, rng));
+  }
+  SUBCASE("routing shapes") {
+    for (ids_kind ids : {ids_kind::skewed, ids_kind::one_expert, ids_kind::filtered, ids_kind::random_filtered,
+                         ids_kind::few_experts, ids_kind::all_filtered})
+      worst = std::max(worst, check_case({97, 8, 2, 256, 256}, bf16, {.ids = ids}, rng));
+    worst = std::max(worst, check_case({200, 8, 1, 256, 256}, bf16, {.ids = ids_kind::one_expert}, rng));
+  }
+  SUBCASE("activations, layouts and combine modes") {
+    const shape sh{33, 8, 2, 256, 256};
+    worst = std::max(worst, check_case(sh, bf16, {.act = mr::activation_kind::gelu}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.act = mr::activation_kind::swiglu_clamped}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.act = mr::activation_kind::gelu, .gated = false}, rng));
+    worst = std::max(worst, check_case({33, 8, 2, 256, 384}, bf16, {.gated = false}, rng));  // I % 256 = 128
+    worst = std::max(worst, check_case(sh, bf16, {.interleaved = true}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.ids = ids_kind::filtered, .no_combine = true}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.weight_on_input = true}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.inplace = true}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.scaling = 2.5f}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.scaling = 2.5f, .scaling_in_weights = true}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.deterministic = true}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.inplace = true, .deterministic = true}, rng));
+  }
+  SUBCASE("decode with GEMM2's K split, both combines") {
+    // Few items over the SMs: the plan splits GEMM2's K (reductions into the output, or f32
+    // parts that combine sums in split order).
+    for (bool det : {false, true}) {
+      options o{.deterministic = det};
+      fp8_problem p({3, 8, 2, 1024, 2048}, bf16, o, rng);
+      fp8_on_device g(p);
+      CHECK(mr::gpu::make_fp8_plan(p.base.cfg, 3, mr::gpu::device_target_of(mr::gpu::current_device_facts()))
+                .down_k_splits > 1);
+      const host_tensor got = g.run_once(p);
+      const double err = mr::test::rel_error(got.view, p.ref.view);
+      CHECK_MESSAGE(err <= fp8_bound, "split-K rel err ", err, det ? " deterministic" : "");
+      worst = std::max(worst, err);
+    }
+  }
+  SUBCASE("e4m3 hidden_states with their scales") {
+    worst = std::max(worst, check_case({65, 8, 2, 256, 256}, bf16, {}, rng, true));
+    worst = std::max(worst, check_case({1, 8, 2, 256, 256}, bf16, {.deterministic = true}, rng, true));
+  }
+  MESSAGE("worst normwise relative error of the subcase: ", worst);
+}
+
+TEST_CASE("fp8: NaN stays in its token") {
+  if (!fp8_gpu()) return;
+  std::mt19937 rng(mr::test::test_seed());
+  for (bool det : {false, true}) {
+    fp8_problem p({40, 8, 2, 256, 256}, mr::dtype::bf16, {.deterministic = det, .nan_token = 5}, rng);
+    fp8_on_device g(p);
+    const host_tensor got = g.run_once(p);
+    for (std::int64_t t = 0; t < 40; ++t) {
+      bool nan = false, finite = true;
+      for (int c = 0; c < 256; ++c) {
+        const float v = mr::test::element(got.view, t * 256 + c);
+        nan = nan || std::isnan(v);
+        finite = finite && std::isfinite(v);
+      }
+      if (t == 5) CHECK(nan);
+      else CHECK_MESSAGE(finite, "token ", t, " caught the NaN");
+    }
+    CHECK(mr::test::rel_error(got.view, p.ref.view) <= fp8_bound);
+  }
+}
+
+TEST_CASE("fp8: deterministic bits across runs and under graph replay") {
+  if (!fp8_gpu()) return;
+  std::mt19937 rng(mr::test::test_seed());
+  for (int m : {1, 200}) {
+    fp8_problem p({m, 16, 4, 512, 256}, mr::dtype::bf16, {.deterministic = true}, rng);
+    fp8_on_device g(p);
+    const host_tensor first = g.run_once(p);
+    const host_tensor second = g.run_once(p);
+    CHECK(std::memcmp(first.view.data, second.view.data, first.view.bytes()) == 0);
+    cudaStream_t s;
+    MOE_CUDA_CHECK(cudaStreamCreate(&s));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    g.launch(p, s);
+    MOE_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int r = 0; r < 3; ++r) {
+      MOE_CUDA_CHECK(cudaMemset(g.out.data, 0xff, g.out.bytes()));
+      MOE_CUDA_CHECK(cudaGraphLaunch(exec, s));
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+      const host_tensor replay = g.result(p);
+      CHECK(std::memcmp(first.view.data, replay.view.data, first.view.bytes()) == 0);
+    }
+    MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    MOE_CUDA_CHECK(cudaGraphDestroy(graph));
+    MOE_CUDA_CHECK(cudaStreamDestroy(s));
+  }
+}
+
+TEST_CASE("fp8: batch-invariant bits of a token across batches") {
+  if (!fp8_gpu()) return;
+  std::mt19937 rng(mr::test::test_seed());
+  const int h = 256, inter = 512, e = 16, k = 4;
+  // The probe token is row 0 of the largest batch; smaller batches take its first rows, the
+  // others with fresh companions.
+  const int sizes[] = {1, 7, 64, 512};
+  fp8_problem big({512, e, k, h, inter}, mr::dtype::bf16, {}, rng);
+  mr::MoeRunnerConfig cfg(mr::moe_config_params{.num_experts = e, .hidden_size = h, .intermediate_size = inter,
+                                                .top_k = k, .batch_invariant = true});
+  std::vector<std::uint16_t> probe;
+  for (int m : sizes) {
+    fp8_problem p({m, e, k, h, inter}, mr::dtype::bf16, {}, rng, false, cfg);
+    // Token 0 is the probe: the big problem's row 0 and its routing.
+    std::memcpy(p.base.x.view.data, big.base.x.view.data, h * 2);
+    std::memcpy(p.base.ids.view.data, big.base.ids.view.data, k * 4);
+    std::memcpy(p.base.weights.view.data, big.base.weights.view.data, k * 4);
+    p.w13 = big.w13, p.w2 = big.w2, p.s13 = big.s13, p.s2 = big.s2;
+    fp8_on_device g(p);
+    const host_tensor got = g.run_once(p);
+    std::vector<std::uint16_t> row(h);
+    std::memcpy(row.data(), got.view.data, h * 2);
+    if (probe.empty()) probe = row;
+    CHECK_MESSAGE(row == probe, "token 0's bits differ at M = ", m);
+  }
+}
+
+TEST_CASE("fp8: bad input is rejected before anything runs") {
+  if (!mr::test::have_gpu()) return;
+  std::mt19937 rng(mr::test::test_seed());
+  fp8_problem p({16, 8, 2, 256, 256}, mr::dtype::bf16, {}, rng);
+  fp8_on_device g(p);
+  MOE_CUDA_CHECK(cudaMemset(g.out.data, 0x5a, g.out.bytes()));
+  const auto untouched = [&] {
+    std::vector<unsigned char> h(g.out.bytes());
+    MOE_CUDA_CHECK(cudaMemcpy(h.data(), g.out.data, h.size(), cudaMemcpyDeviceToHost));
+    return std::all_of(h.begin(), h.end(), [](unsigned char b) { return b == 0x5a; });
+  };
+  const mr::DispatchOutput d = p.dispatch_of(g.x, g.xq, g.xs, g.weights, g.ids);
+  const auto rejects = [&](const mr::fp8_block_quant_info& q, const mr::DispatchOutput& dd, const char* what) {
+    CAPTURE(what);
+    CHECK_THROWS_AS(g.runner.run(dd, q, g.out, g.ws, {}), mr::moe_error);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK(untouched());
+  };
+  const mr::fp8_block_quant_info good = fp8_problem::quant(g.w13, g.s13, g.w2, g.s2);
+  mr::fp8_block_quant_info q = good;
+  q.w13_scale.shape[2] = 1;
+  rejects(q, d, "w13_scale of the wrong shape");
+  q = good;
+  q.w2_scale.type = mr::dtype::bf16;
+  rejects(q, d, "w2_scale of the wrong dtype");
+  q = good;
+  q.w2_scale = p.s2.view;  // host memory
+  rejects(q, d, "w2_scale in host memory");
+  q = good;
+  q.w13.type = mr::dtype::bf16;
+  rejects(q, d, "w13 not e4m3");
+  mr::DispatchOutput no_scales = d;
+  no_scales.hidden_states.type = mr::dtype::f8_e4m3;  // e4m3 activations without their scales
+  rejects(good, no_scales, "e4m3 hidden_states without hidden_scales");
+  // A quant info the backend cannot consume: unquantized weights.
+  CHECK_THROWS_AS(g.runner.run(d, mr::unquantized_quant_info{g.w13.view, g.w2.view}, g.out, g.ws, {}),
+                  mr::moe_error);
+  CHECK(untouched());
+  // Sizes off the 128 blocks: the backend refuses (the reference takes them).
+  mr::MoeRunnerConfig odd(mr::moe_config_params{.num_experts = 8, .hidden_size = 200, .intermediate_size = 256,
+                                                .top_k = 2});
+  runner_t r("cuda_fused_fp8", odd);
+  mr::test::host_tensor x(mr::dtype::bf16, {4, 200}), w13(mr::dtype::f8_e4m3, {8, 512, 200}),
+      s13(mr::dtype::f32, {8, 4, 2}), w2(mr::dtype::f8_e4m3, {8, 200, 256}), s2(mr::dtype::f32, {8, 2, 2});
+  mr::test::device_tensor dx(x), dw13(w13), ds13(s13), dw2(w2), ds2(s2);
+  mr::test::device_tensor ids(mr::test::host_tensor(mr::dtype::i32, {4, 2})), wts(mr::test::host_tensor(mr::dtype::f32, {4, 2}));
+  mr::test::device_buffer out(4 * 200 * 2), ws(r.workspace_bytes(4));
+  mr::tensor_view o = dx.view;
+  o.data = out.get();
+  CHECK_THROWS_WITH_AS(r.run(mr::DispatchOutput{dx.view, {}, {wts.view, ids.view}},
+                             mr::fp8_block_quant_info{dw13.view, ds13.view, dw2.view, ds2.view}, o,
+                             {ws.get(), r.workspace_bytes(4)}, {}),
+                       doctest::Contains("multiples of 128"), mr::unsupported_error);
+}
+
+TEST_CASE("fp8: bad ids are counted in the status word") {
+  if (!fp8_gpu()) return;
+  std::mt19937 rng(mr::test::test_seed());
+  fp8_problem p({8, 8, 2, 256, 256}, mr::dtype::bf16, {}, rng);
+  p.base.ids.view.ptr<std::int32_t>()[3 * 2 + 1] = 1000;
+  fp8_on_device g(p);
+  mr::test::device_status st;
+  g.status = st.get();
+  g.run_once(p);
+  const mr::moe_status s = st.read();
+  CHECK(s.bad_slots == 1);
+  CHECK(s.first_bad_slot == 3 * 2 + 1);
+}
+
+int main(int argc, char** argv) {
+  if (!mr::test::have_gpu()) {
+    std::puts("no GPU: skipping the cuda_fused_fp8 tests");
+    return mr::test::skip_exit_code;
+  }
+  doctest::Context ctx;
+  ctx.applyCommandLine(argc, argv);
+  return ctx.run();
+}
