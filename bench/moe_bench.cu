@@ -37,18 +37,23 @@
 //
 // Ceilings, measured first: HBM read bandwidth (a vectorized read kernel over 4 GiB, far
 // beyond the 60 MB L2), device copy bandwidth (cudaMemcpy device to device, read + write
-// bytes), and the cuBLAS bf16 GEMM rate at 8192^3 on random data.
+// bytes), the cuBLAS bf16 GEMM rate at 8192^3 on random data, and the cuBLASLt e4m3 GEMM rate
+// (f32 accumulate, bf16 out) at 8192^3 (fp8_TFLOPs).
 //
 // Per cell: flops = 6*M*k*H*I (gated; 4*M*k*H*I ungated); bytes = weights of the experts the
 // routing actually touches + x in + out + topk ids and weights; floor_ms = max(bytes / read
-// bandwidth, flops / GEMM rate); fraction_of_floor = floor_ms / ms.
+// bandwidth, flops / GEMM rate); fraction_of_floor = floor_ms / ms. Rows of fp8 backends
+// (cuda_fused_fp8: weights e4m3 with 128 x 128 block scales, quantized from the same bf16 weights;
+// "weights": "fp8") count weights at 1 byte plus their scales and the e4m3 GEMM rate.
 //
 // Correctness per cell, max_rel_err = the largest per-token ||out_t - check_t|| / ||check_t||:
 // for M <= 64 against the CPU reference backend on up to 3 tokens ("check": "reference_cpu"),
-// above that against the first other GPU backend's full output ("check": "vs_<backend>"). Every cell
-// also reports ref_rel_err, the same measure against the CPU reference on up to 3 tokens. A NaN
-// or inf anywhere in the output makes max_rel_err null in the JSON and "NaN" in the table; a
-// cell over 2e-2 on either measure counts as failed.
+// above that against the first other GPU backend's full output ("check": "vs_<backend>"). Every
+// cell also reports ref_rel_err, the same measure against the CPU reference on up to 3 tokens. A
+// NaN or inf anywhere in the output makes max_rel_err null in the JSON and "NaN" in the table; a
+// cell over 2e-2 on either measure counts as failed. fp8 rows are checked against the reference's
+// fp8 path (the same quantization points) and compared in full only with another fp8 row; their
+// bound is 3e-2.
 //
 // Small working sets would be timed out of L2: each cell rotates over several routing sets
 // (different tokens, hence different experts), and over several weight copies when one copy
@@ -76,8 +81,10 @@
 #include <utility>
 #include <vector>
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 
 #include "moerunner/core/host_float.hpp"
@@ -86,6 +93,7 @@
 #include "moerunner/gpu/routing.cuh"
 #include "moerunner/moerunner.hpp"
 #include "moerunner/policies/cublas_grouped_policy.cuh"
+#include "moerunner/policies/cuda_fused_fp8_policy.cuh"
 #include "moerunner/policies/cuda_fused_policy.cuh"
 
 namespace mr = moerunner;
@@ -93,7 +101,10 @@ namespace mr = moerunner;
 namespace {
 
 // The GPU backends under test: a compile-time list, each picked by name through MoeRunner.
-using bench_runner = mr::MoeRunner<mr::cuda_fused_policy, mr::cublas_grouped_policy>;
+using bench_runner = mr::MoeRunner<mr::cuda_fused_policy, mr::cublas_grouped_policy, mr::cuda_fused_fp8_policy>;
+
+// Rows of backends that take fp8 block-scaled weights (their names say fp8).
+bool is_fp8_backend(std::string_view name) { return name.find("fp8") != std::string_view::npos; }
 
 // A benchmark row that runs a built-in backend with non-default settings.
 struct backend_variant {
@@ -165,8 +176,10 @@ constexpr int routing_sets = 4;            // rotated within a cell so small cel
 constexpr int max_weight_copies = 4;
 constexpr std::int64_t reference_max_tokens = 64;  // up to here the CPU reference checks a subsample
 constexpr int reference_subsample = 3;
-// A cell whose max_rel_err is above this (bf16 output, f32 accumulate) is reported as a failure.
+// A cell whose max_rel_err is above this (bf16 output, f32 accumulate) is reported as a failure;
+// fp8 rows are held to the fp8 bound against the reference's fp8 path (same quantization points).
 constexpr double max_rel_err_limit = 2e-2;
+constexpr double max_rel_err_limit_fp8 = 3e-2;
 
 // ---------------------------------------------------------------- device memory and data
 
@@ -218,6 +231,31 @@ void fill_uniform(void* p, std::size_t n, std::uint64_t seed, float scale, cudaS
   if (n == 0) return;
   fill_uniform_kernel<T><<<1024, 256, 0, s>>>(static_cast<T*>(p), n, seed, scale);
   MOE_CUDA_CHECK_LAUNCH("fill_uniform_kernel");
+}
+
+// bf16 weights [E, rows, cols] -> e4m3 with one f32 scale per 128 x 128 block (amax / 448), as
+// fp8 checkpoints ship them: one CTA per block. rows and cols are multiples of 128.
+__global__ void quantize_blocks_kernel(const __nv_bfloat16* w, std::int64_t rows, std::int64_t cols,
+                                       std::uint8_t* q, float* scales) {
+  const std::int64_t br = rows / 128, bc = cols / 128;
+  const std::int64_t b = blockIdx.x, e = b / (br * bc), r0 = (b / bc) % br * 128, c0 = b % bc * 128;
+  const std::int64_t base = e * rows * cols + r0 * cols + c0;
+  __shared__ float part[256];
+  float amax = 0.0f;
+  for (int i = threadIdx.x; i < 128 * 128; i += blockDim.x)
+    amax = fmaxf(amax, fabsf(__bfloat162float(w[base + (i / 128) * cols + i % 128])));
+  part[threadIdx.x] = amax;
+  __syncthreads();
+  for (int o = blockDim.x / 2; o > 0; o /= 2) {
+    if (static_cast<int>(threadIdx.x) < o) part[threadIdx.x] = fmaxf(part[threadIdx.x], part[threadIdx.x + o]);
+    __syncthreads();
+  }
+  const float scale = part[0] > 0.0f ? part[0] / 448.0f : 1.0f;
+  for (int i = threadIdx.x; i < 128 * 128; i += blockDim.x) {
+    const std::int64_t at = base + (i / 128) * cols + i % 128;
+    q[at] = __nv_cvt_float_to_fp8(__bfloat162float(w[at]) / scale, __NV_SATFINITE, __NV_E4M3);
+  }
+  if (threadIdx.x == 0) scales[b] = scale;
 }
 
 // Reads every 16-byte word once; the never-true store keeps the loads from being removed.
@@ -336,8 +374,52 @@ class graph_exec {
 // ---------------------------------------------------------------- ceilings
 
 struct ceilings {
-  double read_tbps = 0, copy_tbps = 0, gemm_tflops = 0;
+  double read_tbps = 0, copy_tbps = 0, gemm_tflops = 0, fp8_tflops = 0;
 };
+
+// cuBLASLt e4m3 x e4m3 -> bf16 GEMM at n^3 (f32 accumulate), TN as fp8 needs: its TFLOP/s.
+double fp8_gemm_tflops(cudaStream_t s) {
+  constexpr int n = 8192;
+  const std::size_t elems = static_cast<std::size_t>(n) * n;
+  dbuf a(elems), b(elems), d(elems * 2), ws(std::size_t{64} << 20);
+  fill_uniform<__nv_fp8_e4m3>(a.get(), elems, 4, 1.0f, s);
+  fill_uniform<__nv_fp8_e4m3>(b.get(), elems, 5, 1.0f, s);
+  cublasLtHandle_t h = nullptr;
+  MOE_CUBLAS_CHECK(cublasLtCreate(&h));
+  std::unique_ptr<std::remove_pointer_t<cublasLtHandle_t>, decltype(&cublasLtDestroy)> owner(h, &cublasLtDestroy);
+  cublasLtMatmulDesc_t desc = nullptr;
+  MOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t t = CUBLAS_OP_T, nt = CUBLAS_OP_N;
+  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t));
+  MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof nt));
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, n, n, n));
+  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, n, n, n));
+  MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, n, n, n));
+  cublasLtMatmulPreference_t pref = nullptr;
+  MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const std::size_t ws_bytes = ws.bytes();
+  MOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                        sizeof ws_bytes));
+  cublasLtMatmulHeuristicResult_t algo{};
+  int found = 0;
+  MOE_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, ld, ld, pref, 1, &algo, &found));
+  double tflops = 0.0;
+  if (found > 0) {
+    const float alpha = 1.0f, beta = 0.0f;
+    const double ms = median_launch_ms(s, [&](int) {
+      MOE_CUBLAS_CHECK(cublasLtMatmul(h, desc, &alpha, a.get(), la, b.get(), lb, &beta, d.get(), ld, d.get(), ld,
+                                      &algo.algo, ws.get(), ws_bytes, s));
+    });
+    tflops = 2.0 * n * static_cast<double>(n) * n / (ms * 1e-3) / 1e12;
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(ld);
+  cublasLtMatmulDescDestroy(desc);
+  return tflops;
+}
 
 ceilings measure_ceilings(cudaStream_t s, int sm_count) {
   ceilings c;
@@ -376,6 +458,7 @@ ceilings measure_ceilings(cudaStream_t s, int sm_count) {
     });
     c.gemm_tflops = 2.0 * n * static_cast<double>(n) * n / (ms * 1e-3) / 1e12;
   }
+  c.fp8_tflops = fp8_gemm_tflops(s);
   MOE_CUDA_CHECK(cudaStreamSynchronize(s));
   return c;
 }
@@ -488,14 +571,28 @@ struct reference_rows {
   std::vector<std::vector<std::uint16_t>> rows;  // bf16 [H] per token
 };
 
-reference_rows cpu_reference(const shape_desc& sh, const routing_set& r, const dbuf& w13, const dbuf& w2,
+// A shape's weights on the device: bf16 copies, and where an fp8 row runs their e4m3 copies with
+// 128 x 128 block scales (quantized from the bf16 ones).
+struct shape_weights {
+  std::vector<dbuf> w13, w2, q13, q2, s13, s2;
+  std::vector<mr::unquantized_quant_info> bf16;
+  std::vector<mr::fp8_block_quant_info> fp8;
+};
+
+reference_rows cpu_reference(const shape_desc& sh, const routing_set& r, const shape_weights& w, bool fp8,
                              std::int64_t m) {
   const int k = sh.k, h = sh.h, inter = sh.i, rows13 = 2 * sh.i;
+  const std::size_t es = fp8 ? 1 : 2;  // bytes per weight
   const std::size_t w13_expert = static_cast<std::size_t>(rows13) * h, w2_expert = static_cast<std::size_t>(h) * inter;
+  const std::size_t s13_expert = w13_expert / (128 * 128), s2_expert = w2_expert / (128 * 128);
+  const dbuf& w13 = fp8 ? w.q13[0] : w.w13[0];
+  const dbuf& w2 = fp8 ? w.q2[0] : w.w2[0];
   reference_rows out;
   out.tokens = subsample_tokens(m);
   const std::size_t n = out.tokens.size();
-  std::vector<std::vector<std::uint16_t>> x(n, std::vector<std::uint16_t>(h)), a(n), b(n);
+  std::vector<std::vector<std::uint16_t>> x(n, std::vector<std::uint16_t>(h));
+  std::vector<std::vector<std::uint8_t>> a(n), b(n);
+  std::vector<std::vector<float>> sa(n), sb(n);
   std::vector<std::vector<float>> wts(n, std::vector<float>(k));
   std::vector<std::vector<std::int32_t>> ids(n, std::vector<std::int32_t>(k));
   for (std::size_t q = 0; q < n; ++q) {
@@ -504,16 +601,27 @@ reference_rows cpu_reference(const shape_desc& sh, const routing_set& r, const d
                               cudaMemcpyDeviceToHost));
     MOE_CUDA_CHECK(cudaMemcpy(wts[q].data(), static_cast<const float*>(r.weights.get()) + t * k, k * 4,
                               cudaMemcpyDeviceToHost));
-    a[q].resize(w13_expert * k);
-    b[q].resize(w2_expert * k);
+    a[q].resize(w13_expert * k * es);
+    b[q].resize(w2_expert * k * es);
+    if (fp8) {
+      sa[q].resize(s13_expert * k);
+      sb[q].resize(s2_expert * k);
+    }
     for (int j = 0; j < k; ++j) {
       const std::int32_t e = r.host_ids[t * k + j];
       ids[q][j] = e < 0 ? -1 : j;
       if (e < 0) continue;
-      MOE_CUDA_CHECK(cudaMemcpy(a[q].data() + j * w13_expert, static_cast<const char*>(w13.get()) + e * w13_expert * 2,
-                                w13_expert * 2, cudaMemcpyDeviceToHost));
-      MOE_CUDA_CHECK(cudaMemcpy(b[q].data() + j * w2_expert, static_cast<const char*>(w2.get()) + e * w2_expert * 2,
-                                w2_expert * 2, cudaMemcpyDeviceToHost));
+      MOE_CUDA_CHECK(cudaMemcpy(a[q].data() + j * w13_expert * es,
+                                static_cast<const char*>(w13.get()) + e * w13_expert * es, w13_expert * es,
+                                cudaMemcpyDeviceToHost));
+      MOE_CUDA_CHECK(cudaMemcpy(b[q].data() + j * w2_expert * es, static_cast<const char*>(w2.get()) + e * w2_expert * es,
+                                w2_expert * es, cudaMemcpyDeviceToHost));
+      if (fp8) {
+        MOE_CUDA_CHECK(cudaMemcpy(sa[q].data() + j * s13_expert, static_cast<const float*>(w.s13[0].get()) + e * s13_expert,
+                                  s13_expert * 4, cudaMemcpyDeviceToHost));
+        MOE_CUDA_CHECK(cudaMemcpy(sb[q].data() + j * s2_expert, static_cast<const float*>(w.s2[0].get()) + e * s2_expert,
+                                  s2_expert * 4, cudaMemcpyDeviceToHost));
+      }
     }
   }
   out.rows.assign(n, std::vector<std::uint16_t>(h));
@@ -530,11 +638,17 @@ reference_rows cpu_reference(const shape_desc& sh, const routing_set& r, const d
                                    {mr::tensor_view::contiguous(wts[q].data(), mr::dtype::f32, {1, k}, host),
                                     mr::tensor_view::contiguous(ids[q].data(), mr::dtype::i32, {1, k}, host),
                                     false}};
-        const mr::unquantized_quant_info qi{
-            mr::tensor_view::contiguous(a[q].data(), mr::dtype::bf16, {k, rows13, h}, host),
-            mr::tensor_view::contiguous(b[q].data(), mr::dtype::bf16, {k, h, inter}, host)};
-        ref.run(d, qi, mr::tensor_view::contiguous(out.rows[q].data(), mr::dtype::bf16, {1, h}, host), {},
-                cuda::stream_ref(cudaStream_t{}));
+        const mr::tensor_view o = mr::tensor_view::contiguous(out.rows[q].data(), mr::dtype::bf16, {1, h}, host);
+        const mr::dtype wt = fp8 ? mr::dtype::f8_e4m3 : mr::dtype::bf16;
+        const mr::tensor_view av = mr::tensor_view::contiguous(a[q].data(), wt, {k, rows13, h}, host);
+        const mr::tensor_view bv = mr::tensor_view::contiguous(b[q].data(), wt, {k, h, inter}, host);
+        if (fp8)
+          ref.run(d,
+                  mr::fp8_block_quant_info{
+                      av, mr::tensor_view::contiguous(sa[q].data(), mr::dtype::f32, {k, rows13 / 128, h / 128}, host),
+                      bv, mr::tensor_view::contiguous(sb[q].data(), mr::dtype::f32, {k, h / 128, inter / 128}, host)},
+                  o, {}, cuda::stream_ref(cudaStream_t{}));
+        else ref.run(d, mr::unquantized_quant_info{av, bv}, o, {}, cuda::stream_ref(cudaStream_t{}));
       } catch (...) {
         errors[q] = std::current_exception();
       }
@@ -598,9 +712,10 @@ struct cell_result {
 
 // ---------------------------------------------------------------- one cell
 
+template <class QuantInfo>
 cell_result run_backend(const std::string& name, const shape_desc& sh, std::int64_t m,
-                        const std::vector<routing_set>& sets, const std::vector<mr::unquantized_quant_info>& weights,
-                        cudaStream_t s, bool once) {
+                        const std::vector<routing_set>& sets, const std::vector<QuantInfo>& weights, cudaStream_t s,
+                        bool once) {
   cell_result res;
   res.backend = name;
   try {
@@ -758,12 +873,14 @@ int main(int argc, char** argv) {
                                                 mr::kernels::moe_gemm_kind::down>(dev);
   std::printf("GPU %s (%d SMs, L2 %.0f MB), commit %s\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6,
               opt.commit.c_str());
-  std::printf("ceilings: HBM read %.2f TB/s, D2D copy %.2f TB/s (read+write), cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s\n",
-              c.read_tbps, c.copy_tbps, c.gemm_tflops);
+  std::printf("ceilings: HBM read %.2f TB/s, D2D copy %.2f TB/s (read+write), cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s, "
+              "cuBLASLt e4m3 GEMM 8192^3 %.0f TFLOP/s\n",
+              c.read_tbps, c.copy_tbps, c.gemm_tflops, c.fp8_tflops);
   std::printf("wgmma 2-CTA clusters resident at once: %d\n\n", pair_clusters);
   jsonl << "{\"gpu\":" << json_string(prop.name) << ",\"commit\":" << json_string(opt.commit)
         << ",\"date\":" << json_string(utc_now()) << ",\"read_TBps\":" << json_number(c.read_tbps)
         << ",\"copy_TBps\":" << json_number(c.copy_tbps) << ",\"gemm_TFLOPs\":" << json_number(c.gemm_tflops)
+        << ",\"fp8_TFLOPs\":" << json_number(c.fp8_tflops)
         << ",\"sm_count\":" << prop.multiProcessorCount << ",\"pair_clusters\":" << pair_clusters
         << ",\"l2_MB\":" << json_number(prop.l2CacheSize / 1e6)
         << ",\"dtype\":\"bf16\",\"routing\":\"softmax top-k, renormalized, f32 logits U(-4,4)\"}\n";
@@ -780,16 +897,37 @@ int main(int argc, char** argv) {
     // Extra weight copies only when one copy would sit in L2 across launches.
     const int copies = std::clamp(static_cast<int>(std::ceil(4.0 * prop.l2CacheSize / weight_bytes)), 1,
                                   max_weight_copies);
-    std::vector<dbuf> w13(copies), w2(copies);
-    std::vector<mr::unquantized_quant_info> weights;
+    const bool any_fp8 = std::any_of(backends.begin(), backends.end(), [](const std::string& b) { return is_fp8_backend(b); });
+    shape_weights weights;
     for (int cpy = 0; cpy < copies; ++cpy) {
-      w13[cpy] = dbuf(w13_elems * 2);
-      w2[cpy] = dbuf(w2_elems * 2);
-      fill_uniform<__nv_bfloat16>(w13[cpy].get(), w13_elems, 100 + cpy, 2.0f / std::sqrt(static_cast<float>(sh.h)), s);
-      fill_uniform<__nv_bfloat16>(w2[cpy].get(), w2_elems, 200 + cpy, 2.0f / std::sqrt(static_cast<float>(sh.i)), s);
+      weights.w13.emplace_back(w13_elems * 2);
+      weights.w2.emplace_back(w2_elems * 2);
+      fill_uniform<__nv_bfloat16>(weights.w13[cpy].get(), w13_elems, 100 + cpy,
+                                  2.0f / std::sqrt(static_cast<float>(sh.h)), s);
+      fill_uniform<__nv_bfloat16>(weights.w2[cpy].get(), w2_elems, 200 + cpy,
+                                  2.0f / std::sqrt(static_cast<float>(sh.i)), s);
       const auto dev = mr::memory_space::device;
-      weights.push_back({mr::tensor_view::contiguous(w13[cpy].get(), mr::dtype::bf16, {sh.e, 2 * sh.i, sh.h}, dev),
-                         mr::tensor_view::contiguous(w2[cpy].get(), mr::dtype::bf16, {sh.e, sh.h, sh.i}, dev)});
+      weights.bf16.push_back(
+          {mr::tensor_view::contiguous(weights.w13[cpy].get(), mr::dtype::bf16, {sh.e, 2 * sh.i, sh.h}, dev),
+           mr::tensor_view::contiguous(weights.w2[cpy].get(), mr::dtype::bf16, {sh.e, sh.h, sh.i}, dev)});
+      if (!any_fp8) continue;
+      const std::size_t s13_elems = w13_elems / (128 * 128), s2_elems = w2_elems / (128 * 128);
+      weights.q13.emplace_back(w13_elems);
+      weights.q2.emplace_back(w2_elems);
+      weights.s13.emplace_back(s13_elems * 4);
+      weights.s2.emplace_back(s2_elems * 4);
+      quantize_blocks_kernel<<<static_cast<unsigned>(s13_elems), 256, 0, s>>>(
+          static_cast<const __nv_bfloat16*>(weights.w13[cpy].get()), 2 * sh.i, sh.h,
+          static_cast<std::uint8_t*>(weights.q13[cpy].get()), static_cast<float*>(weights.s13[cpy].get()));
+      quantize_blocks_kernel<<<static_cast<unsigned>(s2_elems), 256, 0, s>>>(
+          static_cast<const __nv_bfloat16*>(weights.w2[cpy].get()), sh.h, sh.i,
+          static_cast<std::uint8_t*>(weights.q2[cpy].get()), static_cast<float*>(weights.s2[cpy].get()));
+      MOE_CUDA_CHECK_LAUNCH("quantize_blocks_kernel");
+      weights.fp8.push_back(
+          {mr::tensor_view::contiguous(weights.q13[cpy].get(), mr::dtype::f8_e4m3, {sh.e, 2 * sh.i, sh.h}, dev),
+           mr::tensor_view::contiguous(weights.s13[cpy].get(), mr::dtype::f32, {sh.e, 2 * sh.i / 128, sh.h / 128}, dev),
+           mr::tensor_view::contiguous(weights.q2[cpy].get(), mr::dtype::f8_e4m3, {sh.e, sh.h, sh.i}, dev),
+           mr::tensor_view::contiguous(weights.s2[cpy].get(), mr::dtype::f32, {sh.e, sh.h / 128, sh.i / 128}, dev)});
     }
     for (const int tokens : opt.tokens) {
       const std::int64_t m = tokens;
@@ -807,15 +945,22 @@ int main(int argc, char** argv) {
       double touched = 0.0;
       for (const auto& r : sets) touched += r.distinct_experts;
       touched /= static_cast<double>(sets.size());
-      const double expert_bytes = 2.0 * (2.0 * sh.i * sh.h + static_cast<double>(sh.h) * sh.i);
-      const double bytes = touched * expert_bytes + 2.0 * 2.0 * static_cast<double>(m) * sh.h +
-                           8.0 * static_cast<double>(m) * sh.k;
+      // fp8 rows: weights at 1 byte plus one f32 scale per 128 x 128 block, the fp8 GEMM rate.
+      const double expert_elems = 2.0 * sh.i * sh.h + static_cast<double>(sh.h) * sh.i;
+      const double io_bytes = 2.0 * 2.0 * static_cast<double>(m) * sh.h + 8.0 * static_cast<double>(m) * sh.k;
       const double flops = 6.0 * static_cast<double>(m) * sh.k * sh.h * static_cast<double>(sh.i);
-      const double floor_ms =
-          std::max(bytes / (c.read_tbps * 1e12), flops / (c.gemm_tflops * 1e12)) * 1e3;
+      const auto bytes_of = [&](bool fp8) {
+        return touched * expert_elems * (fp8 ? 1.0 + 4.0 / (128.0 * 128.0) : 2.0) + io_bytes;
+      };
+      const auto floor_of = [&](bool fp8) {
+        return std::max(bytes_of(fp8) / (c.read_tbps * 1e12), flops / ((fp8 ? c.fp8_tflops : c.gemm_tflops) * 1e12)) *
+               1e3;
+      };
 
       std::vector<cell_result> results;
-      for (const auto& b : backends) results.push_back(run_backend(b, sh, m, sets, weights, s, opt.once));
+      for (const auto& b : backends)
+        results.push_back(is_fp8_backend(b) ? run_backend(b, sh, m, sets, weights.fp8, s, opt.once)
+                                            : run_backend(b, sh, m, sets, weights.bf16, s, opt.once));
       if (opt.once) {
         for (const auto& r : results)
           std::printf("%-16s %-15s %6d  %s\n", r.backend.c_str(), sh.name.c_str(), tokens,
@@ -825,28 +970,36 @@ int main(int argc, char** argv) {
 
       // Every cell is checked against the CPU reference on a few tokens (ref_rel_err); above
       // reference_max_tokens, max_rel_err is the full comparison with the other GPU backend.
-      std::optional<reference_rows> ref;
+      // fp8 rows are checked against the reference's fp8 path, and compared in full only with
+      // another fp8 row.
+      std::optional<reference_rows> ref, ref_fp8;
       std::string ref_problem;
-      if (std::any_of(results.begin(), results.end(), [](const cell_result& r) { return r.ok; })) {
+      for (bool fp8 : {false, true}) {
+        if (!std::any_of(results.begin(), results.end(),
+                         [&](const cell_result& r) { return r.ok && is_fp8_backend(r.backend) == fp8; }))
+          continue;
         try {
-          ref = cpu_reference(sh, sets[0], w13[0], w2[0], m);
+          (fp8 ? ref_fp8 : ref) = cpu_reference(sh, sets[0], weights, fp8, m);
         } catch (const std::exception& e) {
           ref_problem = e.what();
         }
       }
       for (cell_result& r : results) {
         if (!r.ok) continue;
+        const bool fp8 = is_fp8_backend(r.backend);
+        const std::optional<reference_rows>& ref_rows = fp8 ? ref_fp8 : ref;
         const cell_result* other = nullptr;
         for (const auto& o : results)
-          if (&o != &r && o.ok) {
+          if (&o != &r && o.ok && is_fp8_backend(o.backend) == fp8) {
             other = &o;
             break;
           }
         r.ref_rel_err = std::numeric_limits<double>::quiet_NaN();
-        if (ref) {
+        if (ref_rows) {
+          const reference_rows& rr = *ref_rows;
           double worst = 0.0;
-          for (std::size_t q = 0; q < ref->tokens.size(); ++q)
-            worst = std::max(worst, row_rel_err(r.out.data() + ref->tokens[q] * sh.h, ref->rows[q].data(), sh.h));
+          for (std::size_t q = 0; q < rr.tokens.size(); ++q)
+            worst = std::max(worst, row_rel_err(r.out.data() + rr.tokens[q] * sh.h, rr.rows[q].data(), sh.h));
           r.ref_rel_err = worst;
         }
         if (m > reference_max_tokens && other != nullptr) {
@@ -857,7 +1010,7 @@ int main(int argc, char** argv) {
           r.check = "vs_" + other->backend;
         } else {
           r.max_rel_err = r.ref_rel_err;
-          r.check = ref ? "reference_cpu" : "reference_cpu failed: " + ref_problem;
+          r.check = ref_rows ? "reference_cpu" : "reference_cpu failed: " + ref_problem;
         }
         // Tokens outside the subsample are still scanned: a NaN or inf anywhere fails the cell.
         if (r.nonfinite) r.max_rel_err = std::numeric_limits<double>::infinity();
@@ -871,15 +1024,18 @@ int main(int argc, char** argv) {
                 << ",\"tokens\":" << tokens << ",\"ms\":null,\"error\":" << json_string(r.error) << "}\n";
           continue;
         }
+        const bool fp8 = is_fp8_backend(r.backend);
+        const double floor_ms = floor_of(fp8), bytes = bytes_of(fp8);
         const double frac = floor_ms / r.ms;
         const double tflops = flops / (r.ms * 1e-3) / 1e12, gbps = bytes / (r.ms * 1e-3) / 1e9;
+        const double limit = fp8 ? max_rel_err_limit_fp8 : max_rel_err_limit;
         char err[32], ref_err[32];
         if (std::isfinite(r.max_rel_err)) std::snprintf(err, sizeof err, "%.2e", r.max_rel_err);
         else std::snprintf(err, sizeof err, "NaN");
         if (std::isfinite(r.ref_rel_err)) std::snprintf(ref_err, sizeof ref_err, "%.2e", r.ref_rel_err);
         else std::snprintf(ref_err, sizeof ref_err, "NaN");
-        const bool check_ok = std::isfinite(r.max_rel_err) && r.max_rel_err <= max_rel_err_limit &&
-                              std::isfinite(r.ref_rel_err) && r.ref_rel_err <= max_rel_err_limit;
+        const bool check_ok = std::isfinite(r.max_rel_err) && r.max_rel_err <= limit && std::isfinite(r.ref_rel_err) &&
+                              r.ref_rel_err <= limit;
         if (!check_ok) ++failures;
         std::printf("%-16s %-15s %6d %10.4f %10.4f %6.1f%% %9.1f %9.1f %11s %-18s %9s %10.4f %10.4f %10.4f %9.2f %s%s\n",
                     r.backend.c_str(), sh.name.c_str(), tokens, r.ms, floor_ms, 100.0 * frac, tflops, gbps, err,
@@ -887,7 +1043,8 @@ int main(int argc, char** argv) {
                     static_cast<double>(r.workspace_bytes) / 1e6, r.timing.c_str(), check_ok ? "" : "  CHECK FAILED");
         jsonl << "{\"backend\":" << json_string(r.backend) << ",\"shape\":" << json_string(sh.name)
               << ",\"tokens\":" << tokens << ",\"E\":" << sh.e << ",\"k\":" << sh.k << ",\"H\":" << sh.h
-              << ",\"I\":" << sh.i << ",\"ms\":" << json_number(r.ms) << ",\"floor_ms\":" << json_number(floor_ms)
+              << ",\"I\":" << sh.i << ",\"weights\":" << json_string(fp8 ? "fp8" : "bf16")
+              << ",\"ms\":" << json_number(r.ms) << ",\"floor_ms\":" << json_number(floor_ms)
               << ",\"fraction_of_floor\":" << json_number(frac) << ",\"tflops\":" << json_number(tflops)
               << ",\"gbps\":" << json_number(gbps) << ",\"max_rel_err\":" << json_number(r.max_rel_err)
               << ",\"check\":" << json_string(r.check) << ",\"ref_rel_err\":" << json_number(r.ref_rel_err)

@@ -374,6 +374,8 @@ if has_step peer; then
   else
     note "peer: bench/sglang_triton.py on $peer_dir (up to ${t}s)"
     peer_filters=$(grep -oE -- '--(shapes|tokens) [^ ]+' <<< "$bench_args" | tr '\n' ' ')
+    # The peer's fp8 path too where the bench ran an fp8 backend.
+    grep -q '"weights":"fp8"' "$results" && peer_filters+=" --formats bf16,fp8"
     # shellcheck disable=SC2086
     PYTHONUNBUFFERED=1 timeout "$t" python3 "$root/bench/sglang_triton.py" --jsonl "$results" --peer "$peer_dir" \
       $peer_filters > "$logs/peer.log" 2>&1
