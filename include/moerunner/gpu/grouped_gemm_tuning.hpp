@@ -369,12 +369,13 @@ inline std::size_t tile_schedule_bytes(std::int64_t rows, int num_experts, int b
 // take two item times, 1.7 of them busy): splitting each item's K range into s parts makes
 // items * s work items, and the split count with the fewest item times, ceil(items * s /
 // SMs) / s, within 3% of the best is taken, the smallest such. A split keeps at least
-// min_k_tiles_per_split K tiles so that its pipeline fills. Host arithmetic only: the
+// min_k_tiles_per_split K tiles so that its pipeline fills; items beyond max_waves waves are
+// never split. Host arithmetic only: the
 // workspace query and the run agree on it.
 constexpr int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_count,
                                   int cols = sm90_wgmma_gemm_policy::tuning.block_n,
-                                  int bk = sm90_wgmma_gemm_policy::tuning.block_k) {
-  constexpr std::int64_t min_k_tiles_per_split = 4, max_splits = 16, max_waves = 4;
+                                  int bk = sm90_wgmma_gemm_policy::tuning.block_k, std::int64_t max_waves = 4) {
+  constexpr std::int64_t min_k_tiles_per_split = 4, max_splits = 16;
   const std::int64_t items = tile_bound * ((n + cols - 1) / cols);
   if (items <= 0 || sm_count <= 0 || items > max_waves * sm_count) return 1;
   const std::int64_t k_tiles = (k + bk - 1) / bk;
