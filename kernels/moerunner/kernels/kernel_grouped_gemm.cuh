@@ -212,6 +212,16 @@ __device__ __forceinline__ moe_work_item decode_work_item(std::int64_t w, int ti
   return r;
 }
 
+// Where tile row r's A row comes from (-1 past the tile's rows): GEMM1 gathers its token's row
+// of x (row_to_slot / top_k), GEMM2 reads the act rows in order.
+template <moe_gemm_kind Kind>
+__device__ __forceinline__ int a_source_row(const gpu::moe_m_tile& tile, int r, const std::int32_t* row_to_slot,
+                                            int top_k) {
+  if (r >= tile.row_end - tile.row_begin) return -1;
+  if constexpr (Kind == moe_gemm_kind::down) return tile.row_begin + r;
+  else return row_to_slot[tile.row_begin + r] / top_k;
+}
+
 // K tiles [begin, end) of split `split` out of `splits`: as even as integer division allows.
 __device__ __forceinline__ void split_k_range(int k_tiles, int split, int splits, int& begin, int& end) {
   begin = static_cast<int>(static_cast<std::int64_t>(k_tiles) * split / splits);

@@ -163,12 +163,8 @@ struct moe_gemm_wgmma {
       split_k_range(k_tiles, item.split, p.k_splits, kt_begin, kt_end);
       int a_src_row[a_passes];
 #pragma unroll
-      for (int i = 0; i < a_passes; ++i) {
-        const int r = ld_row + i * rows_per_pass;
-        if (r >= rows) a_src_row[i] = -1;
-        else if constexpr (Kind == moe_gemm_kind::down) a_src_row[i] = tile.row_begin + r;
-        else a_src_row[i] = p.row_to_slot[tile.row_begin + r] / p.top_k;
-      }
+      for (int i = 0; i < a_passes; ++i)
+        a_src_row[i] = a_source_row<Kind>(tile, ld_row + i * rows_per_pass, p.row_to_slot, p.top_k);
       for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
         const int stage = static_cast<int>(it % stages);
         // A fresh barrier counts as having completed the phase before its first (parity 1).

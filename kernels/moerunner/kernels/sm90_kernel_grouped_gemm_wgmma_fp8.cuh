@@ -144,17 +144,12 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
       const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = g.tiles[item.m_tile];
-      const int rows = tile.row_end - tile.row_begin;
       int kt_begin = 0, kt_end = 0;
       split_k_range(k_tiles, item.split, g.k_splits, kt_begin, kt_end);
       int a_src_row[a_passes];
 #pragma unroll
-      for (int i = 0; i < a_passes; ++i) {
-        const int r = ld_row + i * rows_per_pass;
-        if (r >= rows) a_src_row[i] = -1;
-        else if constexpr (Kind == moe_gemm_kind::down) a_src_row[i] = tile.row_begin + r;
-        else a_src_row[i] = g.row_to_slot[tile.row_begin + r] / g.top_k;
-      }
+      for (int i = 0; i < a_passes; ++i)
+        a_src_row[i] = a_source_row<Kind>(tile, ld_row + i * rows_per_pass, g.row_to_slot, g.top_k);
       // The B scale this thread copies per stage (threads of chunk 1, one per scale), or none.
       const bool copies_b_scale = ld_chunk == 1 && ld_row < b_scales;
       std::int64_t b_scale_base = 0;
