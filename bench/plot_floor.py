@@ -52,7 +52,9 @@ def table(head, cells, backends, subject):
     out = [f"# {head.get('gpu', '?')}, commit {head.get('commit', '?')}, {head.get('date', '')}",
            "",
            f"Ceilings measured in the same run: HBM read {head.get('read_TBps', 0):.2f} TB/s, "
-           f"bf16 GEMM {head.get('gemm_TFLOPs', 0):.0f} TFLOP/s. Cells: median ms (fraction of the floor).",
+           f"bf16 GEMM {head.get('gemm_TFLOPs', 0):.0f} TFLOP/s"
+           + (f", e4m3 GEMM {head['fp8_TFLOPs']:.0f} TFLOP/s (the floor of fp8 rows)" if head.get("fp8_TFLOPs") else "")
+           + ". Cells: median ms (fraction of the floor).",
            "",
            "| shape | M | " + " | ".join(backends) + f" | {subject} vs best peer |",
            "|---|---|" + "---|" * len(backends) + "---|"]
