@@ -38,6 +38,31 @@ def test_against_torch_f32(backend, m):
     torch.testing.assert_close(out.float(), moe_f32(x, ids, weights, w13, w2), rtol=2e-2, atol=2e-2)
 
 
+def quantize_blocks(w):
+    """[E, R, C] -> e4m3 and one f32 scale per 128 x 128 block (amax / 448), as fp8 checkpoints."""
+    e, r, c = w.shape
+    blocks = w.float().view(e, r // 128, 128, c // 128, 128)
+    amax = blocks.abs().amax(dim=(2, 4))
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (blocks / scale[:, :, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(e, r, c), scale.contiguous()
+
+
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_fp8_against_the_reference(m):
+    """cuda_fused_fp8 on torch e4m3 weights against the reference's fp8 path on the host (the same
+    quantization points), normwise."""
+    x, ids, weights, w13, w2 = problem(m)
+    q13, s13 = quantize_blocks(w13)
+    q2, s2 = quantize_blocks(w2)
+    out = runner("cuda_fused_fp8").run(x, ids, weights, q13, q2, w13_scale=s13, w2_scale=s2)
+    assert out.dtype == torch.bfloat16 and out.device == x.device
+    ref = runner("reference").run(x.cpu(), ids.cpu(), weights.cpu(), q13.cpu(), q2.cpu(), w13_scale=s13.cpu(),
+                                  w2_scale=s2.cpu())
+    err = (out.cpu().float() - ref.float()).norm() / ref.float().norm()
+    assert err <= 1e-2, f"normwise relative error {err:.3e}"
+
+
 def test_device_topk_is_the_host_ones_bit_for_bit():
     logits = torch.randn(64, E, device="cuda")
     bias = torch.randn(E, device="cuda")
