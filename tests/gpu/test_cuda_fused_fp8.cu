@@ -373,6 +373,9 @@ TEST_CASE("fp8: bad input is rejected before anything runs") {
   q = good;
   q.w13.type = mr::dtype::bf16;
   rejects(q, d, "w13 not e4m3");
+  q = good;
+  q.w2_scale.data = static_cast<char*>(q.w2_scale.data) + 2;
+  rejects(q, d, "w2_scale not 4-byte aligned");
   mr::DispatchOutput no_scales = d;
   no_scales.hidden_states.type = mr::dtype::f8_e4m3;  // e4m3 activations without their scales
   rejects(good, no_scales, "e4m3 hidden_states without hidden_scales");

@@ -314,20 +314,22 @@ struct moe_gemm_wgmma {
       // Accumulator register 4j + 2h + q of a 64 x N block holds row 16 warp + lane / 4 + 8h of
       // the block and column 8j + 2(lane % 4) + q (the PTX m64nNk16 D layout).
       const auto finish = [&]<bool Bias>() {
+        using out = wgmma_epilogue<T, Kind>;
         if constexpr (split_n) {
           if constexpr (halves == 2)  // gate column j of acc0 pairs with the same column of acc1
-            wgmma_epilogue<T, Kind>::template store<8, Bias>(p, tile, n0 + 64 * group, item.split, row_base, warp, lane,
-                              [&](int j, int i) { return acc0[4 * j + i]; },
-                              [&](int j, int i) { return acc1[4 * j + i]; });
+            out::template store<8, Bias>(p, tile, n0 + 64 * group, item.split, row_base, warp, lane,
+                                         [&](int j, int i) { return acc0[4 * j + i]; },
+                                         [&](int j, int i) { return acc1[4 * j + i]; });
           else
-            wgmma_epilogue<T, Kind>::template store<16, Bias>(p, tile, n0 + 128 * group, item.split, row_base, warp, lane,
-                               [&](int j, int i) { return j < 8 ? acc0[4 * j + i] : acc1[4 * (j - 8) + i]; },
-                               [&](int, int) { return 0.0f; });
+            out::template store<16, Bias>(
+                p, tile, n0 + 128 * group, item.split, row_base, warp, lane,
+                [&](int j, int i) { return j < 8 ? acc0[4 * j + i] : acc1[4 * (j - 8) + i]; },
+                [&](int, int) { return 0.0f; });
         } else {
           // The up value of gate register 4j + 2h + q is register 4(j + 16) + 2h + q.
-          wgmma_epilogue<T, Kind>::template store<halves == 2 ? 16 : 32, Bias>(p, tile, n0, item.split, row_base, warp, lane,
-                                                 [&](int j, int i) { return acc0[4 * j + i]; },
-                                                 [&](int j, int i) { return acc0[4 * (j + 16) + i]; });
+          out::template store<halves == 2 ? 16 : 32, Bias>(p, tile, n0, item.split, row_base, warp, lane,
+                                                           [&](int j, int i) { return acc0[4 * j + i]; },
+                                                           [&](int j, int i) { return acc0[4 * (j + 16) + i]; });
         }
       };
       // GEMM2's bias goes with the first of the item's K ranges only: the ranges' sums meet in

@@ -183,8 +183,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
           // a wgmma row reads only its own A row (and its own scale).
           if (a_src_row[i] < 0) continue;
           const int r = ld_row + i * rows_per_pass;
-          cp_async_16(smem_address(sa + r * bk + st_chunk * 16), p.a + static_cast<std::int64_t>(a_src_row[i]) * g.k + kcol,
-                      true);
+          const std::uint8_t* src = p.a + static_cast<std::int64_t>(a_src_row[i]) * g.k + kcol;
+          cp_async_16(smem_address(sa + r * bk + st_chunk * 16), src, true);
           if (ld_chunk == 0)
             cp_async_4(smem_address(sa + a_scale_offset + r * 4),
                        p.a_scale + static_cast<std::int64_t>(a_src_row[i]) * a_scale_stride + kt, true);

@@ -19,9 +19,10 @@
 // Requirements, checked with a clear error before anything runs: w13 and w2 e4m3 with f32 block
 // scales on the device; hidden_states bf16 or f16 (output: the same) or e4m3 with hidden_scales
 // [M, H/128] (output: bf16); hidden_size and intermediate_size multiples of 128; hidden_states,
-// w13 and w2 16-byte aligned, the output too unless GEMM2 writes rows; an sm_90a image on the
-// device. Expert ids outside [-1, num_local_experts) count as -1 and are reported as cuda_fused
-// reports them (the routing plan's flag, DispatchOutput::status). No biases (the format has none).
+// w13 and w2 16-byte aligned, the scales 4-byte, the output 16-byte unless GEMM2 writes rows; an
+// sm_90a image on the device. Expert ids outside [-1, num_local_experts) count as -1 and are
+// reported as cuda_fused reports them (the routing plan's flag, DispatchOutput::status). No
+// biases (the format has none).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -32,6 +33,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include <cuda/stream_ref>
 #include <cuda_bf16.h>
@@ -94,6 +96,10 @@ class cuda_fused_fp8_policy {
     check::aligned(d.hidden_states, pointer_alignment, where, "hidden_states");
     check::aligned(q.w13, pointer_alignment, where, "w13");
     check::aligned(q.w2, pointer_alignment, where, "w2");
+    // Scales are copied 4 bytes at a time.
+    check::aligned(q.w13_scale, sizeof(float), where, "w13_scale");
+    check::aligned(q.w2_scale, sizeof(float), where, "w2_scale");
+    if (type == dtype::f8_e4m3) check::aligned(d.hidden_scales, sizeof(float), where, "hidden_scales");
     const std::int64_t m = d.num_tokens();
     MOE_EXPECT(m * cfg_.top_k() <= 0x7fffffff, where, "num_tokens * top_k must fit in 32 bits");
     const gpu::device_facts dev = gpu::current_device_facts();
