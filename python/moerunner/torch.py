@@ -12,8 +12,9 @@ their handle is registered. The workspace comes from torch's caching allocator o
 (inside a graph capture, from the graph's pool), the stream is torch's current stream.
 
 fused_moe's optional status is the caller's int32 [2] tensor (bad_slots, first_bad_slot) that a
-cuda_fused run adds bad expert ids to, as MoeRunner.run's: the op declares it mutated, so a
-compiled or graph-captured model reads it after the step, and zeroes it where a count starts.
+cuda_fused or cuda_fused_fp8 run adds bad expert ids to, as MoeRunner.run's: the op declares it
+mutated, so a compiled or graph-captured model reads it after the step, and zeroes it where a
+count starts.
 """
 
 from typing import List, Optional, Tuple
@@ -97,7 +98,7 @@ def fused_moe(runner: MoeRunner, x, topk_ids, topk_weights, w13, w2, b13=None, b
               w13_scale=None, w2_scale=None, status=None):
     """runner.run(...) as the op moerunner::fused_moe: a new output tensor, workspace from torch.
     status: None, or the int32 [2] tensor (bad_slots, first_bad_slot) on x's device that a
-    cuda_fused run adds bad expert ids to (runs only add; the caller zeroes it)."""
+    cuda_fused or cuda_fused_fp8 run adds bad expert ids to (runs only add; the caller zeroes it)."""
     return torch.ops.moerunner.fused_moe(handle(runner), x, topk_ids, topk_weights, w13, w2, b13, b2,
                                          hidden_scales, w13_scale, w2_scale, status)
 
