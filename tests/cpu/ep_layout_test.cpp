@@ -1,13 +1,17 @@
-// Expert-parallel dispatch arithmetic (dispatch/ep_layout.hpp): the topology's checks, the
-// send and receive layouts on a worked example, and a world of R ranks simulated on the host
-// with the reference backend per rank, whose outputs must equal one rank running every expert.
+// Expert-parallel dispatch (dispatch/ep_layout.hpp, ep_host_dispatcher.hpp): the topology's
+// checks, the send and receive layouts on a worked example, and worlds of R ranks on threads,
+// each running the reference backend on its experts between dispatch and combine, whose outputs
+// must equal one rank running every expert.
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
+#include "moerunner/dispatch/ep_host_dispatcher.hpp"
 #include "moerunner/dispatch/ep_layout.hpp"
 #include "moerunner/moerunner.hpp"
 
@@ -95,7 +99,7 @@ std::vector<float> run_reference(const layer& l, int first, int count, const std
 
 }  // namespace
 
-TEST_CASE("a simulated world of R ranks gives each token what one rank running every expert gives") {
+TEST_CASE("ep host dispatcher: R ranks on threads give each token what one rank running every expert gives") {
   std::mt19937 rng(1234);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   layer l{.e = 8, .k = 3, .h = 64, .inter = 32, .w13 = {}, .w2 = {}};
@@ -105,9 +109,9 @@ TEST_CASE("a simulated world of R ranks gives each token what one rank running e
   for (float& v : l.w2) v = u(rng) / 6.0f;
   for (int world : {1, 2, 4, 8}) {
     CAPTURE(world);
-    // Each rank's own tokens and routing (some slots -1; duplicates across slots allowed).
+    // Each rank's own tokens and routing (some slots -1, repeated experts allowed).
     std::vector<std::int64_t> tokens(world);
-    std::vector<std::vector<float>> x(world), weights(world);
+    std::vector<std::vector<float>> x(world), weights(world), got(world);
     std::vector<std::vector<std::int32_t>> ids(world);
     std::uniform_int_distribution<int> expert(-1, l.e - 1);
     for (int r = 0; r < world; ++r) {
@@ -118,46 +122,57 @@ TEST_CASE("a simulated world of R ranks gives each token what one rank running e
       weights[r].resize(ids[r].size());
       for (auto& id : ids[r]) id = expert(rng);
       for (float& w : weights[r]) w = 0.5f + 0.5f * u(rng);
+      got[r].assign(x[r].size(), NAN);
     }
-    // Dispatch: each source's layout; receivers take rows from every source in rank order.
-    std::vector<mr::ep_send_layout> sends;
+    mr::ep_host_world comm(world);
+    std::vector<std::string> errors(world);
+    std::vector<std::thread> ranks;
     for (int r = 0; r < world; ++r)
-      sends.push_back(mr::make_ep_send_layout(ids[r].data(), tokens[r], l.k,
-                                              mr::ep_topology{.world_size = world, .rank = r, .num_experts = l.e}));
-    std::vector<std::vector<std::vector<float>>> parts(world);  // parts[source][dest]: rows in send order
-    for (int d = 0; d < world; ++d) {
-      const mr::ep_topology me{.world_size = world, .rank = d, .num_experts = l.e};
-      std::vector<std::int64_t> counts(world);
-      for (int s = 0; s < world; ++s) counts[s] = sends[s].counts[d];
-      const mr::ep_recv_layout recv = mr::make_ep_recv_layout(counts);
-      std::vector<float> rx(static_cast<std::size_t>(recv.total()) * l.h), rw(recv.total() * l.k);
-      std::vector<std::int32_t> rid(recv.total() * l.k);
-      for (int s = 0; s < world; ++s)
-        for (std::int64_t i = 0; i < counts[s]; ++i) {
-          const std::int64_t tok = sends[s].token[sends[s].offsets[d] + i], at = recv.offsets[s] + i;
-          std::copy_n(x[s].begin() + tok * l.h, l.h, rx.begin() + at * l.h);
-          for (int j = 0; j < l.k; ++j) {
-            rid[at * l.k + j] = me.local_on_me(ids[s][tok * l.k + j]);
-            rw[at * l.k + j] = weights[s][tok * l.k + j];
-          }
+      ranks.emplace_back([&, r] {
+        try {
+          const auto host = mr::memory_space::host;
+          const int local = l.e / world;
+          const mr::MoeRunnerConfig cfg({.num_experts = l.e, .num_local_experts = local, .hidden_size = l.h,
+                                         .intermediate_size = l.inter, .top_k = l.k, .routed_scaling_factor = 1.5f});
+          mr::ep_host_dispatcher disp(comm, r, cfg);
+          const mr::DispatchOutput d = disp.dispatch(
+              mr::tensor_view::contiguous(x[r].data(), mr::dtype::f32, {tokens[r], l.h}, host),
+              {mr::tensor_view::contiguous(weights[r].data(), mr::dtype::f32, {tokens[r], l.k}, host),
+               mr::tensor_view::contiguous(ids[r].data(), mr::dtype::i32, {tokens[r], l.k}, host), false});
+          const std::int64_t rows = d.num_tokens();
+          std::vector<float> parts(static_cast<std::size_t>(rows) * l.h, NAN);
+          const std::size_t per13 = static_cast<std::size_t>(2) * l.inter * l.h, per2 = std::size_t(l.h) * l.inter;
+          const mr::unquantized_quant_info q{
+              mr::tensor_view::contiguous(l.w13.data() + r * local * per13, mr::dtype::f32, {local, 2 * l.inter, l.h},
+                                          host),
+              mr::tensor_view::contiguous(l.w2.data() + r * local * per2, mr::dtype::f32, {local, l.h, l.inter}, host)};
+          mr::MoeRunner<mr::reference_policy> runner("reference", cfg);
+          const mr::CombineInput c =
+              runner.run(d, q, mr::tensor_view::contiguous(parts.data(), mr::dtype::f32, {rows, l.h}, host), {}, {});
+          disp.combine(c, mr::tensor_view::contiguous(got[r].data(), mr::dtype::f32, {tokens[r], l.h}, host));
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
         }
-      const std::vector<float> out =
-          run_reference(l, d * me.experts_per_rank(), me.experts_per_rank(), rx, rid, rw, recv.total());
-      for (int s = 0; s < world; ++s)
-        parts[s].emplace_back(out.begin() + recv.offsets[s] * l.h, out.begin() + recv.offsets[s + 1] * l.h);
-    }
-    // Combine at each source: the parts of every destination, in rank order.
-    for (int s = 0; s < world; ++s) {
-      std::vector<double> got(static_cast<std::size_t>(tokens[s]) * l.h, 0.0);
-      for (int d = 0; d < world; ++d)
-        for (std::int64_t i = 0; i < sends[s].counts[d]; ++i) {
-          const std::int64_t tok = sends[s].token[sends[s].offsets[d] + i];
-          for (int c = 0; c < l.h; ++c) got[tok * l.h + c] += parts[s][d][i * l.h + c];
-        }
-      const std::vector<float> want = run_reference(l, 0, l.e, x[s], ids[s], weights[s], tokens[s]);
+      });
+    for (auto& t : ranks) t.join();
+    for (int r = 0; r < world; ++r) {
+      CHECK_MESSAGE(errors[r].empty(), "rank ", r, ": ", errors[r]);
+      const std::vector<float> want = run_reference(l, 0, l.e, x[r], ids[r], weights[r], tokens[r]);
       double worst = 0.0;
-      for (std::size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(got[i] - want[i]));
-      CHECK_MESSAGE(worst <= 1e-5, "rank ", s, " of ", world, ": max abs diff ", worst);
+      for (std::size_t i = 0; i < want.size(); ++i) worst = std::max(worst, double(std::fabs(got[r][i] - want[i])));
+      CHECK_MESSAGE(worst <= 1e-5, "rank ", r, " of ", world, ": max abs diff ", worst);
     }
   }
+}
+
+TEST_CASE("ep host dispatcher: a config whose local experts are not E / R is refused") {
+  mr::ep_host_world comm(2);
+  const mr::MoeRunnerConfig cfg({.num_experts = 8, .hidden_size = 64, .intermediate_size = 32, .top_k = 2});
+  CHECK_THROWS_WITH_AS(mr::ep_host_dispatcher(comm, 0, cfg), doctest::Contains("num_local_experts must be"),
+                       mr::invalid_argument_error);
+  mr::ep_host_world three(3);
+  const mr::MoeRunnerConfig cfg8({.num_experts = 8, .num_local_experts = 2, .hidden_size = 64,
+                                  .intermediate_size = 32, .top_k = 2});
+  CHECK_THROWS_WITH_AS(mr::ep_host_dispatcher(three, 0, cfg8), doctest::Contains("does not divide"),
+                       mr::invalid_argument_error);
 }
