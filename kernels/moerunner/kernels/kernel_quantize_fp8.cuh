@@ -16,10 +16,11 @@
 #include <cuda_fp8.h>
 
 #include "moerunner/kernels/vector_io.cuh"
+#include "moerunner/quant/quant_info.hpp"
 
 namespace moerunner::kernels {
 
-inline constexpr int fp8_group = 128;
+inline constexpr int fp8_group = fp8_block_quant_info::block;
 inline constexpr float fp8_e4m3_max = 448.0f;
 
 __device__ __forceinline__ float fp8_group_scale(float amax) {

@@ -35,6 +35,7 @@
 #include <cuda.h>
 #include <cuda/ptx>
 
+#include "moerunner/gpu/fp8_plan.hpp"
 #include "moerunner/kernels/activation_math.cuh"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
 #include "moerunner/kernels/kernel_quantize_fp8.cuh"
@@ -57,9 +58,11 @@ struct moe_gemm_fp8_params {
   float* act_scale = nullptr;       // GEMM1: [R, n / 128]
 };
 
-// The tile's constants, shared with the launch code.
+// The tile's constants (sizes from the run plan's), shared with the launch code.
 struct wgmma_fp8_shape {
-  static constexpr int block_m = 64, block_n = 256, block_k = 128, stages = 5, consumers = 2;
+  static constexpr int block_m = gpu::fp8_block_m, block_n = gpu::fp8_down_cols, block_k = gpu::fp8_block_k;
+  static constexpr int stages = 5, consumers = 2;
+  static_assert(block_m == 64 && block_n == 256 && block_k == 128, "the layout below is written for 64 x 256 x 128");
   static constexpr int a_bytes = block_m * block_k, b_bytes = block_n * block_k;
   static constexpr int scale_bytes = 1024;  // A scales (64 floats), B scales (4), padding to 1024
   static constexpr int stage_bytes = a_bytes + b_bytes + scale_bytes;
@@ -68,11 +71,6 @@ struct wgmma_fp8_shape {
   static_assert(smem_bytes <= 227 * 1024, "the ring must fit in shared memory");
   static_assert(stage_bytes % 1024 == 0 && a_bytes % 1024 == 0, "tiles start on swizzle-pattern boundaries");
 };
-
-__device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
 
 // Four consumer threads (a quad) share a row: the max over the quad's values.
 __device__ __forceinline__ float quad_max(float v) {
@@ -87,7 +85,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
   static constexpr int out_cols = bn / halves;        // output columns per CTA: 128 gated, else 256
   static constexpr int box_rows = halves == 2 ? 64 : 128;
   static constexpr int boxes = bn / box_rows;
-  static constexpr int b_scales = consumers * halves;  // per stage: each warpgroup's gate (and up) block
+  static constexpr int b_scales = boxes;  // per stage: one per B box (each warpgroup's gate, and up, rows)
   static constexpr int a_scale_offset = a_bytes + b_bytes, b_scale_offset = a_scale_offset + block_m * 4;
   static constexpr int producer_threads = 128, consumer_warps = 4 * consumers;
   static constexpr int chunks_per_row = bk / 16;                           // 16-byte chunks: 8
@@ -104,27 +102,15 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
     std::uint64_t empty[stages];
   };
 
-  // Row of expert's B (of b_rows_per_expert) that B box `box` of the tile at output column n0
-  // starts with, and the half it is in (gate_up: warpgroup box / 2, half box % 2).
-  __device__ __forceinline__ static void box_origin(const moe_gemm_fp8_params<T>& p, int box, int n0, int& row,
-                                                    int& half) {
+  // The first output column of B box `box` of the tile at output column n0, and the half it is in
+  // (gate_up: warpgroup box / 2, half box % 2).
+  __device__ __forceinline__ static void box_origin(int box, int n0, int& col, int& half) {
     if constexpr (halves == 2) {
-      row = n0 + 64 * (box / 2);
+      col = n0 + 64 * (box / 2);
       half = box % 2;
     } else {
-      row = n0 + 128 * box;
+      col = n0 + 128 * box;
       half = 0;
-    }
-    (void)p;
-  }
-
-  // The B row (in expert rows) whose 128-row scale block warpgroup w's half h rows use.
-  __device__ __forceinline__ static std::int64_t scale_row(const moe_gemm_fp8_params<T>& p, int w, int h, int n0) {
-    if constexpr (halves == 2) {
-      const int col = n0 + 64 * w;
-      return p.g.interleaved ? 2 * static_cast<std::int64_t>(col) + h : static_cast<std::int64_t>(h) * p.g.n + col;
-    } else {
-      return n0 + 128 * w;
     }
   }
 
@@ -150,12 +136,15 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
 #pragma unroll
       for (int i = 0; i < a_passes; ++i)
         a_src_row[i] = a_source_row<Kind>(tile, ld_row + i * rows_per_pass, g.row_to_slot, g.top_k);
-      // The B scale this thread copies per stage (threads of chunk 1, one per scale), or none.
+      // The B scale this thread copies per stage (threads of chunk 1, one per box), or none.
       const bool copies_b_scale = ld_chunk == 1 && ld_row < b_scales;
       std::int64_t b_scale_base = 0;
       bool b_scale_ok = false;
       if (copies_b_scale) {
-        const std::int64_t row = scale_row(p, ld_row / halves, ld_row % halves, n0);
+        // The first expert row of box ld_row, whose 128-row scale block the box's rows share.
+        int col = 0, half = 0;
+        box_origin(ld_row, n0, col, half);
+        const std::int64_t row = b_row<Kind>(g, half, col);
         b_scale_ok = row < g.b_rows_per_expert;  // a box past n (GEMM2's last N tile) reads zeros
         b_scale_base = (tile.expert * b_scale_rows + row / fp8_group) * k_tiles;
       }
@@ -168,10 +157,10 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
                                                &bars.full[stage], static_cast<std::uint32_t>(b_bytes));
 #pragma unroll
           for (int b = 0; b < boxes; ++b) {
-            int row = 0, half = 0;
-            box_origin(p, b, n0, row, half);
+            int col = 0, half = 0;
+            box_origin(b, n0, col, half);
             const bool swapped = halves == 2 && g.interleaved;
-            const std::int32_t coords[4] = {kt * bk, swapped ? half : row, swapped ? row : half, tile.expert};
+            const std::int32_t coords[4] = {kt * bk, swapped ? half : col, swapped ? col : half, tile.expert};
             cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global,
                                             sa + a_bytes + b * box_rows * bk, b_map, coords, &bars.full[stage]);
           }

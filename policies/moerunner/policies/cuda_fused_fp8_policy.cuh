@@ -45,6 +45,7 @@
 #include "moerunner/core/error.hpp"
 #include "moerunner/core/types.hpp"
 #include "moerunner/gpu/combine.cuh"
+#include "moerunner/gpu/down_store.cuh"
 #include "moerunner/gpu/fp8_plan.hpp"
 #include "moerunner/gpu/plan_schedule.cuh"
 #include "moerunner/gpu/routing_plan.hpp"
@@ -185,17 +186,7 @@ class cuda_fused_fp8_policy {
     g2.g.act = cfg_.act();
     g2.g.raster_band = raster_band;
     g2.g.k_splits = pl.down_k_splits;
-    g2.g.store = pl.down;
-    if (pl.down == kernels::down_store::partials) {
-      g2.g.partials = reinterpret_cast<float*>(base + lay.rows);
-      g2.g.split_stride = slots * hidden;
-    } else if (pl.down == kernels::down_store::rows) {
-      g2.g.c = reinterpret_cast<T*>(base + lay.rows);
-    } else {
-      g2.g.c = static_cast<T*>(out.data);
-      g2.g.out_weights = row_weights;
-      g2.g.out_scale = scale;
-    }
+    gpu::set_down_store(g2.g, pl.down, base + lay.rows, slots, out, row_weights, scale);
     g2.a = act;
     g2.a_scale = act_scale;
     g2.b_scale = q.w2_scale.ptr<const float>();
@@ -207,14 +198,11 @@ class cuda_fused_fp8_policy {
       gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up>(g1, w13, experts, built.schedule, dev, stream);
     else gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only>(g1, w13, experts, built.schedule, dev, stream);
     gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down>(g2, w2, experts, built.schedule, dev, stream);
-    if (pl.down == kernels::down_store::partials)
-      gpu::combine_rows(g2.g.partials, dtype::f32, plan, row_weights, scale, out, false, stream, pl.down_k_splits);
-    else if (pl.down == kernels::down_store::rows)
-      gpu::combine_rows(g2.g.c, out.type, plan, row_weights, scale, out, false, stream);
+    gpu::combine_down(g2.g, plan, row_weights, scale, out, stream, false);
   }
 
-  // M tiles per raster band, as the 16-bit wgmma tunings (bands of 8).
-  static constexpr int raster_band = 8;
+  // M tiles per raster band: the 16-bit wgmma tunings' (see decode_work_item).
+  static constexpr int raster_band = gpu::sm90_wgmma_gemm_policy::tuning.raster_band;
 
   MoeRunnerConfig cfg_;
 };

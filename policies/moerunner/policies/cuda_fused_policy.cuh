@@ -86,6 +86,7 @@
 #include "moerunner/core/error.hpp"
 #include "moerunner/core/types.hpp"
 #include "moerunner/gpu/combine.cuh"
+#include "moerunner/gpu/down_store.cuh"
 #include "moerunner/gpu/grouped_gemm.cuh"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/gpu/permute.cuh"
@@ -353,17 +354,7 @@ class cuda_fused_policy {
     g2.local_slots = g1.local_slots;
     g2.local_experts = g1.local_experts;
     // Deterministic split-K: f32 parts per split, summed in split order by combine.
-    g2.store = pl.down;
-    if (g2.store == kernels::down_store::partials) {
-      g2.partials = reinterpret_cast<float*>(base + lay.rows);
-      g2.split_stride = slots * hidden;
-    } else if (g2.store == kernels::down_store::rows) {
-      g2.c = reinterpret_cast<T*>(base + lay.rows);
-    } else {
-      g2.c = static_cast<T*>(out.data);
-      g2.out_weights = row_weights;
-      g2.out_scale = scale;
-    }
+    gpu::set_down_store(g2, pl.down, base + lay.rows, slots, out, row_weights, scale);
     if constexpr (stream_gemm) {
       g1.next = gpu::stream_next_gemm<T, GemmPolicy>(g2, schedule, dev, stream_l2_);
       g1.weights_evict_first = g2.weights_evict_first = stream_l2_.evict_first;
@@ -384,11 +375,7 @@ class cuda_fused_policy {
 
     // Deterministic: combine sums the rows, launched as GEMM2's programmatic dependent when the
     // GEMMs are launched so (by default with the stream GEMMs).
-    if (g2.store == kernels::down_store::partials)
-      gpu::combine_rows(g2.partials, dtype::f32, plan, row_weights, scale, out, false, stream, pl.down_k_splits,
-                        dependent);
-    else if (g2.store == kernels::down_store::rows)
-      gpu::combine_rows(g2.c, d.hidden_states.type, plan, row_weights, scale, out, false, stream, 1, dependent);
+    gpu::combine_down(g2, plan, row_weights, scale, out, stream, dependent);
   }
 
   MoeRunnerConfig cfg_;
