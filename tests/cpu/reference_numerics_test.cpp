@@ -8,6 +8,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <numeric>
 #include <random>
 #include <string>
@@ -140,20 +141,9 @@ struct problem {
     std::uniform_real_distribution<float> ux(-s.x_range, s.x_range);
     if (s.fp8_input) {
       // Quantize random values per token and 128-column group: that is what arrives.
-      x = host_tensor(mr::dtype::f8_e4m3, {s.m, s.h});
-      x_scales = host_tensor(mr::dtype::f32, {s.m, blocks(s.h)});
-      for (int t = 0; t < s.m; ++t) {
-        std::vector<float> row(s.h);
-        for (float& v : row) v = ux(rng);
-        for (int g = 0; g < blocks(s.h); ++g) {
-          float amax = 0.0f;
-          for (int c = g * 128; c < std::min(s.h, g * 128 + 128); ++c) amax = std::max(amax, std::fabs(row[c]));
-          const float scale = amax / 448.0f;
-          x_scales.ptr<float>()[t * blocks(s.h) + g] = scale;
-          for (int c = g * 128; c < std::min(s.h, g * 128 + 128); ++c)
-            x.ptr<std::uint8_t>()[t * s.h + c] = mr::host_float::float_to_e4m3(row[c] / scale);
-        }
-      }
+      host_tensor x32(mr::dtype::f32, {s.m, s.h});
+      for (std::int64_t i = 0; i < x32.numel(); ++i) x32.ptr<float>()[i] = ux(rng);
+      mr::test::quantize_e4m3_blocks(x32, 1, x, x_scales);
     } else {
       x = host_tensor(s.x_type, {s.m, s.h});
       mr::cpu_test::fill_uniform(x, rng, -s.x_range, s.x_range);
@@ -161,12 +151,8 @@ struct problem {
     // Weight ranges that keep every intermediate and output value of order one.
     const float a13 = 2.0f / std::sqrt(float(s.h)), a2 = 2.0f / std::sqrt(float(s.inter));
     if (s.fp8) {
-      w13 = host_tensor(mr::dtype::f8_e4m3, {le, rows, s.h});
-      w2 = host_tensor(mr::dtype::f8_e4m3, {le, s.h, s.inter});
-      s13 = host_tensor(mr::dtype::f32, {le, blocks(rows), blocks(s.h)});
-      s2 = host_tensor(mr::dtype::f32, {le, blocks(s.h), blocks(s.inter)});
-      make_fp8(w13, s13, a13, rng);
-      make_fp8(w2, s2, a2, rng);
+      make_fp8(w13, s13, {le, rows, s.h}, a13, rng);
+      make_fp8(w2, s2, {le, s.h, s.inter}, a2, rng);
     } else {
       w13 = host_tensor(s.w_type, {le, rows, s.h});
       w2 = host_tensor(s.w_type, {le, s.h, s.inter});
@@ -203,25 +189,12 @@ struct problem {
   }
 
   // Random f32 weights, quantized per 128x128 block with scale amax/448.
-  static void make_fp8(host_tensor& w, host_tensor& scale, float range, std::mt19937& rng) {
-    const std::int64_t e = w.view.shape[0], rows = w.view.shape[1], cols = w.view.shape[2];
+  static void make_fp8(host_tensor& w, host_tensor& scale, std::initializer_list<std::int64_t> dims, float range,
+                       std::mt19937& rng) {
     std::uniform_real_distribution<float> u(-range, range);
-    std::vector<float> master(static_cast<std::size_t>(rows * cols));
-    for (std::int64_t x = 0; x < e; ++x) {
-      for (float& v : master) v = u(rng);
-      for (std::int64_t br = 0; br < scale.view.shape[1]; ++br)
-        for (std::int64_t bc = 0; bc < scale.view.shape[2]; ++bc) {
-          float amax = 0.0f;
-          for (std::int64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r)
-            for (std::int64_t c = bc * 128; c < std::min(cols, bc * 128 + 128); ++c)
-              amax = std::max(amax, std::fabs(master[r * cols + c]));
-          const float sc = amax / 448.0f;
-          scale.ptr<float>()[(x * scale.view.shape[1] + br) * scale.view.shape[2] + bc] = sc;
-          for (std::int64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r)
-            for (std::int64_t c = bc * 128; c < std::min(cols, bc * 128 + 128); ++c)
-              w.ptr<std::uint8_t>()[(x * rows + r) * cols + c] = mr::host_float::float_to_e4m3(master[r * cols + c] / sc);
-        }
-    }
+    host_tensor master(mr::dtype::f32, dims);
+    for (std::int64_t i = 0; i < master.numel(); ++i) master.ptr<float>()[i] = u(rng);
+    mr::test::quantize_e4m3_blocks(master, 128, w, scale);
   }
 
   // The expected output in double, and per element the sum of |contributions| (for the bound).

@@ -41,29 +41,6 @@ constexpr int fp8_token_bound_min_i = 1024;
 
 bool fp8_gpu() { return mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts()); }
 
-// Random weights quantized per 128 x 128 block (scale amax / 448), as checkpoints ship them.
-void quantize_blocks(const host_tensor& w, host_tensor& q, host_tensor& scale) {
-  const std::int64_t e = w.view.shape[0], rows = w.view.shape[1], cols = w.view.shape[2];
-  const std::int64_t br = (rows + 127) / 128, bc = (cols + 127) / 128;
-  q = host_tensor(mr::dtype::f8_e4m3, {e, rows, cols});
-  scale = host_tensor(mr::dtype::f32, {e, br, bc});
-  for (std::int64_t x = 0; x < e; ++x)
-    for (std::int64_t b = 0; b < br; ++b)
-      for (std::int64_t c = 0; c < bc; ++c) {
-        float amax = 0.0f;
-        for (std::int64_t r = b * 128; r < std::min(rows, b * 128 + 128); ++r)
-          for (std::int64_t k = c * 128; k < std::min(cols, c * 128 + 128); ++k)
-            amax = std::max(amax, std::fabs(mr::test::element(w.view, (x * rows + r) * cols + k)));
-        const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
-        scale.view.ptr<float>()[(x * br + b) * bc + c] = s;
-        for (std::int64_t r = b * 128; r < std::min(rows, b * 128 + 128); ++r)
-          for (std::int64_t k = c * 128; k < std::min(cols, c * 128 + 128); ++k) {
-            const std::int64_t i = (x * rows + r) * cols + k;
-            q.view.ptr<std::uint8_t>()[i] = mr::host_float::float_to_e4m3(mr::test::element(w.view, i) / s);
-          }
-      }
-}
-
 // A problem of moe_problem's inputs with fp8 block-scaled weights and the reference's fp8 output.
 struct fp8_problem {
   mr::test::moe_problem base;  // x, ids, weights, config (its unquantized reference is unused)
@@ -75,23 +52,9 @@ struct fp8_problem {
               std::optional<mr::MoeRunnerConfig> cfg = std::nullopt)
       : base(s, t, o, rng), prequantized(preq) {
     if (cfg) base.cfg = *cfg;
-    quantize_blocks(base.w13, w13, s13);
-    quantize_blocks(base.w2, w2, s2);
-    if (preq) {
-      xq = host_tensor(mr::dtype::f8_e4m3, {s.m, s.h});
-      xs = host_tensor(mr::dtype::f32, {s.m, s.h / 128});
-      for (std::int64_t r = 0; r < s.m; ++r)
-        for (int g = 0; g < s.h / 128; ++g) {
-          float amax = 0.0f;
-          for (int c = 0; c < 128; ++c) amax = std::max(amax, std::fabs(mr::test::element(base.x.view, r * s.h + g * 128 + c)));
-          const float sc = amax > 0.0f ? amax / 448.0f : 1.0f;
-          xs.view.ptr<float>()[r * (s.h / 128) + g] = sc;
-          for (int c = 0; c < 128; ++c) {
-            const std::int64_t i = r * s.h + g * 128 + c;
-            xq.view.ptr<std::uint8_t>()[i] = mr::host_float::float_to_e4m3(mr::test::element(base.x.view, i) / sc);
-          }
-        }
-    }
+    mr::test::quantize_e4m3_blocks(base.w13, 128, w13, s13);
+    mr::test::quantize_e4m3_blocks(base.w2, 128, w2, s2);
+    if (preq) mr::test::quantize_e4m3_blocks(base.x, 1, xq, xs);
     const mr::dtype out_type = preq ? mr::dtype::bf16 : t;
     ref = o.no_combine ? host_tensor(out_type, {s.m, s.k, s.h}) : host_tensor(out_type, {s.m, s.h});
     mr::MoeRunner<mr::reference_policy> runner("reference", base.cfg);
