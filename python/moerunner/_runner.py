@@ -42,8 +42,11 @@ class MoeRunner:
 
         x [M, H]; topk_ids [M, k] int32 (-1: filtered slot); topk_weights [M, k] float32;
         w13 [E, 2I, H] (gated) or [E, I, H]; w2 [E, H, I]; optional biases b13 [E, 2I] and
-        b2 [E, H]. fp8 block weights: float8_e4m3fn w13 and w2 with w13_scale and w2_scale
-        (float32, one per 128x128 block), and for fp8 x its hidden_scales [M, ceil(H/128)].
+        b2 [E, H]. fp8 weights: float8_e4m3fn w13 and w2 with float32 w13_scale and w2_scale,
+        whose rank names the format: one per 128x128 block ([E, ceil(rows/128), ceil(cols/128)]),
+        per output channel ([E, 2I] and [E, H]) or per expert matrix ([E] each); activations are
+        quantized per token in groups of 128 for all three; for fp8 x, its hidden_scales
+        [M, ceil(H/128)].
         Any DLPack array (torch, CuPy, JAX, numpy), in the backend's memory space.
 
         out: [M, H] ([M, k, H] with no_combine), x's dtype (bf16 for fp8 x); None allocates

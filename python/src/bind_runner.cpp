@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -108,10 +109,21 @@ class runner {
       d.status = s.ptr<moe_status>();
     }
     if (w13_scale || w2_scale) {
-      MOE_EXPECT(!b13 && !b2, where, "b13 and b2 go with unquantized weights; fp8 block weights take no biases");
-      const fp8_block_quant_info q{views(w13, "w13"), views(w13_scale, "w13_scale"), views(w2, "w2"),
-                                   views(w2_scale, "w2_scale")};
-      call(d, q, out_view, ws, stream, views.device());
+      MOE_EXPECT(!b13 && !b2, where, "b13 and b2 go with unquantized weights; fp8 weights take no biases");
+      const auto fp8 = [&]<class Q>(std::type_identity<Q>) {
+        call(d, Q{views(w13, "w13"), views(w13_scale, "w13_scale"), views(w2, "w2"), views(w2_scale, "w2_scale")},
+             out_view, ws, stream, views.device());
+      };
+      // The scales' rank names the format: [E, row blocks, column blocks], [E, rows] or [E].
+      const tensor_view s13 = views(w13_scale, "w13_scale");
+      switch (s13.rank) {
+        case 3: fp8(std::type_identity<fp8_block_quant_info>{}); break;
+        case 2: fp8(std::type_identity<fp8_channel_quant_info>{}); break;
+        case 1: fp8(std::type_identity<fp8_tensor_quant_info>{}); break;
+        default:
+          detail::throw_invalid(where, "w13_scale must have rank 3 (128x128 blocks), 2 (per channel) or 1 (per "
+                                       "tensor), got shape " + s13.shape_string());
+      }
     } else {
       const unquantized_quant_info q{views(w13, "w13"), views(w2, "w2"), views(b13, "b13"), views(b2, "b2")};
       call(d, q, out_view, ws, stream, views.device());

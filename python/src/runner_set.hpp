@@ -29,6 +29,10 @@ class any_runner {
                    workspace_view ws, std::uintptr_t stream, int device) = 0;
   virtual void run(const DispatchOutput& d, const fp8_block_quant_info& q, const tensor_view& out,
                    workspace_view ws, std::uintptr_t stream, int device) = 0;
+  virtual void run(const DispatchOutput& d, const fp8_tensor_quant_info& q, const tensor_view& out,
+                   workspace_view ws, std::uintptr_t stream, int device) = 0;
+  virtual void run(const DispatchOutput& d, const fp8_channel_quant_info& q, const tensor_view& out,
+                   workspace_view ws, std::uintptr_t stream, int device) = 0;
 };
 
 // A MoeRunner<...> behind any_runner; `Guard` makes a CUDA device current for a scope.
@@ -46,6 +50,14 @@ class runner_model final : public any_runner {
     run_any(d, q, out, ws, stream, device);
   }
   void run(const DispatchOutput& d, const fp8_block_quant_info& q, const tensor_view& out, workspace_view ws,
+           std::uintptr_t stream, int device) override {
+    run_any(d, q, out, ws, stream, device);
+  }
+  void run(const DispatchOutput& d, const fp8_tensor_quant_info& q, const tensor_view& out, workspace_view ws,
+           std::uintptr_t stream, int device) override {
+    run_any(d, q, out, ws, stream, device);
+  }
+  void run(const DispatchOutput& d, const fp8_channel_quant_info& q, const tensor_view& out, workspace_view ws,
            std::uintptr_t stream, int device) override {
     run_any(d, q, out, ws, stream, device);
   }

@@ -48,13 +48,26 @@ def quantize_blocks(w):
     return q.view(e, r, c), scale.contiguous()
 
 
+def quantize_rows(w, per_tensor):
+    """[E, R, C] -> e4m3 and one f32 scale per row ([E, R]) or per expert matrix ([E])."""
+    amax = w.float().abs().amax(dim=(1, 2) if per_tensor else 2)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    wide = scale[:, None, None] if per_tensor else scale[:, :, None]
+    return (w.float() / wide).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale.contiguous()
+
+
+QUANTIZERS = {"block": quantize_blocks, "channel": lambda w: quantize_rows(w, False),
+              "tensor": lambda w: quantize_rows(w, True)}
+
+
+@pytest.mark.parametrize("fmt", ["block", "channel", "tensor"])
 @pytest.mark.parametrize("m", [1, 37, 300])
-def test_fp8_against_the_reference(m):
-    """cuda_fused_fp8 on torch e4m3 weights against the reference's fp8 path on the host (the same
-    quantization points), normwise."""
+def test_fp8_against_the_reference(m, fmt):
+    """cuda_fused_fp8 on torch e4m3 weights (each scale layout, named by the scales' rank) against the
+    reference's fp8 path on the host (the same quantization points), normwise."""
     x, ids, weights, w13, w2 = problem(m)
-    q13, s13 = quantize_blocks(w13)
-    q2, s2 = quantize_blocks(w2)
+    q13, s13 = QUANTIZERS[fmt](w13)
+    q2, s2 = QUANTIZERS[fmt](w2)
     out = runner("cuda_fused_fp8").run(x, ids, weights, q13, q2, w13_scale=s13, w2_scale=s2)
     assert out.dtype == torch.bfloat16 and out.device == x.device
     ref = runner("reference").run(x.cpu(), ids.cpu(), weights.cpu(), q13.cpu(), q2.cpu(), w13_scale=s13.cpu(),

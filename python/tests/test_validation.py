@@ -101,7 +101,14 @@ def strided(a):
     (dict(w13_scale=np.zeros((E, 1, 1), np.float32), w2_scale=np.zeros((E, 1, 1), np.float32)),
      "MoeRunner::run: w13 must be f8_e4m3, got f32"),
     (dict(w13_scale=np.zeros((E, 1, 1), np.float32), b2=np.zeros((E, H), np.float32)),
-     "MoeRunner::run: b13 and b2 go with unquantized weights; fp8 block weights take no biases"),
+     "MoeRunner::run: b13 and b2 go with unquantized weights; fp8 weights take no biases"),
+    (dict(w13_scale=np.zeros((E, 1, 1, 1), np.float32), w2_scale=np.zeros((E, 1, 1), np.float32)),
+     "MoeRunner::run: w13_scale must have rank 3 (128x128 blocks), 2 (per channel) or 1 (per tensor), got shape "
+     "[4, 1, 1, 1]"),
+    (dict(w13_scale=np.zeros((E, 2 * I), np.float32), w2_scale=np.zeros((E, 1, 1), np.float32)),
+     "MoeRunner::run: w13 must be f8_e4m3, got f32"),
+    (dict(w13_scale=np.zeros((E,), np.float32), w2_scale=np.zeros((E, H), np.float32)),
+     "MoeRunner::run: w13 must be f8_e4m3, got f32"),
 ])
 def test_run(change, message):
     runner = moerunner.MoeRunner("reference", **BASE)

@@ -97,6 +97,10 @@ struct counting_method {
 static_assert(mr::QuantInfoProvider<counting_method, mr::reference_policy>);
 static_assert(mr::QuantInfoProvider<mr::fp8_block_method, mr::reference_policy>);
 static_assert(!mr::QuantInfoProvider<mr::fp8_block_method, plain_policy>);
+static_assert(mr::QuantInfoProvider<mr::fp8_tensor_method, mr::reference_policy>);
+static_assert(mr::QuantInfoProvider<mr::fp8_channel_method, mr::reference_policy>);
+static_assert(!mr::QuantInfoProvider<mr::fp8_channel_method, plain_policy>);
+static_assert(mr::fp8_weight_format<mr::fp8_channel_quant_info> && !mr::fp8_weight_format<mr::unquantized_quant_info>);
 
 host_tensor run_reference_directly(const layer_data& d, bool fp8) {
   host_tensor out(mr::dtype::f32, {m, h});

@@ -12,6 +12,8 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "moerunner/moerunner.hpp"
@@ -94,6 +96,7 @@ struct problem_spec {
   bool scaling_applied = false;
   double filtered = 0.0;  // probability of a -1 slot
   bool fp8 = false;
+  mr::fp8_weight_scaling scaling = mr::fp8_weight_scaling::block128;  // of fp8 weights
   bool fp8_input = false;  // hidden states arrive as e4m3 with per-token group scales
   float x_range = 1.0f;
   enum class ids_kind { random, one_expert } ids = ids_kind::random;
@@ -104,13 +107,22 @@ struct problem_spec {
   std::string str() const {
     return "M=" + std::to_string(m) + " E=" + std::to_string(e) + " local=" + std::to_string(local) +
            " k=" + std::to_string(k) + " H=" + std::to_string(h) + " I=" + std::to_string(inter) + " x=" +
-           std::string(mr::dtype_name(x_type)) + " w=" + (fp8 ? "fp8" : std::string(mr::dtype_name(w_type))) +
+           std::string(mr::dtype_name(x_type)) +
+           " w=" + (fp8 ? std::string(scaling_name()) : std::string(mr::dtype_name(w_type))) +
            " act=" + std::string(mr::activation_name(act.kind)) + (gated ? "" : " ungated") +
            (router_on_input ? " weight-on-input" : "") + (no_combine ? " no_combine" : "") +
            (inplace ? " inplace" : "") + " rsf=" + std::to_string(routed_scaling) +
            (scaling_applied ? " applied" : "") + " filtered=" + std::to_string(filtered) +
            (fp8_input ? " fp8-input" : "") + (interleaved ? " interleaved" : "") +
            (bias ? " bias=" + std::string(mr::dtype_name(bias_type)) : "");
+  }
+  std::string_view scaling_name() const {
+    switch (scaling) {
+      case mr::fp8_weight_scaling::per_tensor: return "fp8/tensor";
+      case mr::fp8_weight_scaling::per_channel: return "fp8/channel";
+      case mr::fp8_weight_scaling::block128: break;
+    }
+    return "fp8/block";
   }
 };
 
@@ -151,8 +163,8 @@ struct problem {
     // Weight ranges that keep every intermediate and output value of order one.
     const float a13 = 2.0f / std::sqrt(float(s.h)), a2 = 2.0f / std::sqrt(float(s.inter));
     if (s.fp8) {
-      make_fp8(w13, s13, {le, rows, s.h}, a13, rng);
-      make_fp8(w2, s2, {le, s.h, s.inter}, a2, rng);
+      make_fp8(w13, s13, {le, rows, s.h}, a13, s.scaling, rng);
+      make_fp8(w2, s2, {le, s.h, s.inter}, a2, s.scaling, rng);
     } else {
       w13 = host_tensor(s.w_type, {le, rows, s.h});
       w2 = host_tensor(s.w_type, {le, s.h, s.inter});
@@ -188,13 +200,25 @@ struct problem {
     }
   }
 
-  // Random f32 weights, quantized per 128x128 block with scale amax/448.
+  // Random f32 weights, quantized with scale amax/448 per 128x128 block, row or matrix.
   static void make_fp8(host_tensor& w, host_tensor& scale, std::initializer_list<std::int64_t> dims, float range,
-                       std::mt19937& rng) {
+                       mr::fp8_weight_scaling scaling, std::mt19937& rng) {
     std::uniform_real_distribution<float> u(-range, range);
     host_tensor master(mr::dtype::f32, dims);
     for (std::int64_t i = 0; i < master.numel(); ++i) master.ptr<float>()[i] = u(rng);
-    mr::test::quantize_e4m3_blocks(master, 128, w, scale);
+    if (scaling == mr::fp8_weight_scaling::block128) mr::test::quantize_e4m3_blocks(master, 128, w, scale);
+    else mr::test::quantize_e4m3_rows(master, scaling == mr::fp8_weight_scaling::per_tensor, w, scale);
+  }
+
+  // The scale of weight (r, c) of expert ex's [rows, cols] matrix.
+  double weight_scale(const host_tensor& scale, int ex, int r, int c, int rows, int cols) const {
+    const float* sp = scale.ptr<const float>();
+    switch (s.scaling) {
+      case mr::fp8_weight_scaling::per_tensor: return sp[ex];
+      case mr::fp8_weight_scaling::per_channel: return sp[std::int64_t(ex) * rows + r];
+      case mr::fp8_weight_scaling::block128: break;
+    }
+    return sp[(std::int64_t(ex) * blocks(rows) + r / 128) * blocks(cols) + c / 128];
   }
 
   // The expected output in double, and per element the sum of |contributions| (for the bound).
@@ -205,12 +229,12 @@ struct problem {
     mag.assign(n, 0.0);
     const auto w13v = [&](int ex, int r, int c) {
       double v = decode(w13.view, (std::int64_t(ex) * rows + r) * h + c);
-      if (s.fp8) v *= s13.ptr<const float>()[(std::int64_t(ex) * blocks(rows) + r / 128) * blocks(h) + c / 128];
+      if (s.fp8) v *= weight_scale(s13, ex, r, c, rows, h);
       return v;
     };
     const auto w2v = [&](int ex, int r, int i) {
       double v = decode(w2.view, (std::int64_t(ex) * h + r) * inter + i);
-      if (s.fp8) v *= s2.ptr<const float>()[(std::int64_t(ex) * blocks(h) + r / 128) * blocks(inter) + i / 128];
+      if (s.fp8) v *= weight_scale(s2, ex, r, i, h, inter);
       return v;
     };
     const double scaling = s.scaling_applied ? 1.0 : double(s.routed_scaling);
@@ -283,9 +307,15 @@ void check_problem(const problem_spec& spec, std::mt19937& rng) {
   const mr::tensor_view out_view = spec.inplace ? p.x.view : p.out.view;
   const mr::DispatchOutput d = p.dispatch();
   mr::CombineInput ci;
-  if (spec.fp8)
-    ci = runner.run(d, mr::fp8_block_quant_info{p.w13.view, p.s13.view, p.w2.view, p.s2.view}, out_view, {},
-                    mr::cpu_test::host_stream());
+  const auto run_fp8 = [&]<class Q>(std::type_identity<Q>) {
+    return runner.run(d, Q{p.w13.view, p.s13.view, p.w2.view, p.s2.view}, out_view, {}, mr::cpu_test::host_stream());
+  };
+  if (spec.fp8 && spec.scaling == mr::fp8_weight_scaling::per_tensor)
+    ci = run_fp8(std::type_identity<mr::fp8_tensor_quant_info>{});
+  else if (spec.fp8 && spec.scaling == mr::fp8_weight_scaling::per_channel)
+    ci = run_fp8(std::type_identity<mr::fp8_channel_quant_info>{});
+  else if (spec.fp8)
+    ci = run_fp8(std::type_identity<mr::fp8_block_quant_info>{});
   else
     ci = runner.run(d, mr::unquantized_quant_info{p.w13.view, p.w2.view, p.b13.view, p.b2.view}, out_view, {},
                     mr::cpu_test::host_stream());
@@ -525,6 +555,25 @@ TEST_CASE("fp8 block-scaled weights: per-token 128-group activation quantization
         }
       }
   CHECK(n == 4 * 3 * 4);
+}
+
+TEST_CASE("fp8 per-tensor and per-channel weight scales, with the same activation quantization") {
+  std::mt19937 rng(53);
+  int n = 0;
+  for (mr::fp8_weight_scaling scaling : {mr::fp8_weight_scaling::per_tensor, mr::fp8_weight_scaling::per_channel})
+    for (int m : {0, 1, 9})
+      for (auto [h, inter] : {std::pair{128, 256}, std::pair{192, 72}}) {
+        problem_spec s{.m = m, .e = 4, .k = 2, .h = h, .inter = inter, .fp8 = true, .scaling = scaling};
+        s.x_type = float_types[n % 3];
+        s.act.kind = act_kinds[n % 3];
+        s.interleaved = n % 4 == 1;
+        s.router_on_input = n % 5 == 2;
+        if (s.router_on_input) s.k = 1;
+        s.filtered = n % 3 == 0 ? 0.3 : 0.0;
+        ++n;
+        check_problem(s, rng);
+      }
+  CHECK(n == 2 * 3 * 2);
 }
 
 TEST_CASE("gpt-oss: biases on both GEMMs and interleaved gate/up rows, against a hand computation") {

@@ -832,6 +832,44 @@ TEST_CASE("run rejects fp8 weights or scales of the wrong shape or type") {
                    "w13_scale must live in host memory, got device");
 }
 
+TEST_CASE("per-tensor and per-channel fp8 scales: valid calls run, scales of another shape are rejected") {
+  run_fixture f;
+  const run_call c = valid_call(f);
+  host_tensor t13{mr::dtype::f32, {4}}, t2{mr::dtype::f32, {4}};
+  host_tensor c13{mr::dtype::f32, {4, 8}}, c2{mr::dtype::f32, {4, 8}}, c13_short{mr::dtype::f32, {4, 4}};
+  std::mt19937 rng(5);
+  for (host_tensor* t : {&t13, &t2, &c13, &c2, &c13_short}) mr::cpu_test::fill_uniform(*t, rng, 0.1f, 1.0f);
+  mr::MoeRunner<mr::reference_policy> r("reference", mr::MoeRunnerConfig(run_params));
+  const auto run = [&](const auto& q) {
+    mr::cpu_test::fill_sentinel(f.out);
+    const auto before = f.out.bytes();
+    try {
+      r.run(c.d, q, c.out, c.ws, mr::cpu_test::host_stream());
+    } catch (...) {
+      CHECK(f.out.bytes() == before);  // nothing written
+      throw;
+    }
+  };
+  using tensor_q = mr::fp8_tensor_quant_info;
+  using channel_q = mr::fp8_channel_quant_info;
+  CHECK_NOTHROW(run(tensor_q{f.q13.view, t13.view, f.q2.view, t2.view}));
+  CHECK_NOTHROW(run(channel_q{f.q13.view, c13.view, f.q2.view, c2.view}));
+  CHECK_THROWS_WITH_AS(run(tensor_q{f.q13.view, c13.view, f.q2.view, t2.view}),
+                       "MoeRunner::run: w13_scale must have rank 1, got shape [4, 8]", mr::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(run(tensor_q{f.q13.view, t13.view, f.q2.view, f.s2.view}),
+                       "MoeRunner::run: w2_scale must have rank 1, got shape [4, 1, 1]", mr::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(run(channel_q{f.q13.view, c13_short.view, f.q2.view, c2.view}),
+                       "MoeRunner::run: w13_scale dimension 1 must be 8, got shape [4, 4]", mr::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(run(channel_q{f.q13.view, c13.view, f.q2.view, t2.view}),
+                       "MoeRunner::run: w2_scale must have rank 2, got shape [4]", mr::invalid_argument_error);
+  CHECK_THROWS_WITH_AS(run(channel_q{f.q13.view, c13.view, f.w2.view, c2.view}),
+                       "MoeRunner::run: w2 must be f8_e4m3, got f32", mr::invalid_argument_error);
+  mr::tensor_view bf16_scale = t2.view;
+  bf16_scale.type = mr::dtype::bf16;
+  CHECK_THROWS_WITH_AS(run(tensor_q{f.q13.view, t13.view, f.q2.view, bf16_scale}),
+                       "MoeRunner::run: w2_scale must be f32, got bf16", mr::invalid_argument_error);
+}
+
 TEST_CASE("run rejects a workspace that is too small or missing") {
   const auto needs = [](const std::function<void(rf&, rc&)>& m, const std::string& what) {
     expect_run_error<mr::invalid_argument_error, mr::reference_policy, needs_workspace>(

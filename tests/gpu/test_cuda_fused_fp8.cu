@@ -1,6 +1,6 @@
-// The cuda_fused_fp8 backend against the reference's fp8 path (fp8_block_quant_info), which
-// quantizes at the same points by the same rule: random and edge shapes, every combine mode,
-// pre-quantized inputs, NaN isolation, determinism and graph replay, batch invariance, bad
+// The cuda_fused_fp8 backend against the reference's fp8 path (block, per-tensor and per-channel
+// weight scales), which quantizes at the same points by the same rule: random and edge shapes,
+// every combine mode, pre-quantized inputs, NaN isolation, determinism and graph replay, batch invariance, bad
 // input rejected with nothing written, and the bad-id status. Exit 77 without a GPU; the
 // cases skip on a GPU without sm_90a code (the backend then refuses with unsupported_error).
 #define DOCTEST_CONFIG_IMPLEMENT
@@ -41,36 +41,62 @@ constexpr int fp8_token_bound_min_i = 1024;
 
 bool fp8_gpu() { return mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts()); }
 
-// A problem of moe_problem's inputs with fp8 block-scaled weights and the reference's fp8 output.
+// A problem of moe_problem's inputs with fp8 weights (scales of `scaling`) and the reference's
+// fp8 output.
 struct fp8_problem {
   mr::test::moe_problem base;  // x, ids, weights, config (its unquantized reference is unused)
   host_tensor w13, w2, s13, s2, ref;
   host_tensor xq, xs;  // with prequantized: x in e4m3 and its group scales
   bool prequantized;
+  mr::fp8_weight_scaling scaling;
 
   fp8_problem(const shape& s, mr::dtype t, const options& o, std::mt19937& rng, bool preq = false,
-              std::optional<mr::MoeRunnerConfig> cfg = std::nullopt)
-      : base(s, t, o, rng), prequantized(preq) {
+              std::optional<mr::MoeRunnerConfig> cfg = std::nullopt,
+              mr::fp8_weight_scaling weight_scaling = mr::fp8_weight_scaling::block128)
+      : base(s, t, o, rng), prequantized(preq), scaling(weight_scaling) {
     if (cfg) base.cfg = *cfg;
-    mr::test::quantize_e4m3_blocks(base.w13, 128, w13, s13);
-    mr::test::quantize_e4m3_blocks(base.w2, 128, w2, s2);
+    if (scaling == mr::fp8_weight_scaling::block128) {
+      mr::test::quantize_e4m3_blocks(base.w13, 128, w13, s13);
+      mr::test::quantize_e4m3_blocks(base.w2, 128, w2, s2);
+    } else {
+      const bool per_tensor = scaling == mr::fp8_weight_scaling::per_tensor;
+      mr::test::quantize_e4m3_rows(base.w13, per_tensor, w13, s13);
+      mr::test::quantize_e4m3_rows(base.w2, per_tensor, w2, s2);
+    }
     if (preq) mr::test::quantize_e4m3_blocks(base.x, 1, xq, xs);
     const mr::dtype out_type = preq ? mr::dtype::bf16 : t;
     ref = o.no_combine ? host_tensor(out_type, {s.m, s.k, s.h}) : host_tensor(out_type, {s.m, s.h});
     mr::MoeRunner<mr::reference_policy> runner("reference", base.cfg);
     if (o.inplace) {
       host_tensor xin = base.x;
-      runner.run(mr::DispatchOutput{xin.view, {}, base.topk(base.weights.view, base.ids.view)}, quant(w13, s13, w2, s2),
-                 xin.view, {}, {});
+      with_quant(w13, s13, w2, s2, [&](const auto& q) {
+        runner.run(mr::DispatchOutput{xin.view, {}, base.topk(base.weights.view, base.ids.view)}, q, xin.view, {}, {});
+      });
       std::memcpy(ref.view.data, xin.view.data, ref.view.bytes());
     } else {
-      runner.run(dispatch_of(base.x, xq, xs, base.weights, base.ids), quant(w13, s13, w2, s2), ref.view, {}, {});
+      with_quant(w13, s13, w2, s2, [&](const auto& q) {
+        runner.run(dispatch_of(base.x, xq, xs, base.weights, base.ids), q, ref.view, {}, {});
+      });
     }
   }
 
   template <class Tensor>
   static mr::fp8_block_quant_info quant(const Tensor& w13, const Tensor& s13, const Tensor& w2, const Tensor& s2) {
     return {w13.view, s13.view, w2.view, s2.view};
+  }
+
+  // Calls f with the quant info of this problem's scaling over the four tensors.
+  template <class Tensor, class F>
+  void with_quant(const Tensor& w13, const Tensor& s13, const Tensor& w2, const Tensor& s2, F&& f) const {
+    switch (scaling) {
+      case mr::fp8_weight_scaling::per_tensor:
+        f(mr::fp8_tensor_quant_info{w13.view, s13.view, w2.view, s2.view});
+        break;
+      case mr::fp8_weight_scaling::per_channel:
+        f(mr::fp8_channel_quant_info{w13.view, s13.view, w2.view, s2.view});
+        break;
+      case mr::fp8_weight_scaling::block128: f(quant(w13, s13, w2, s2)); break;
+    }
   }
 
   template <class Tensor>
@@ -115,7 +141,7 @@ struct fp8_on_device {
   void launch(const fp8_problem& p, cudaStream_t stream) {
     mr::DispatchOutput d = p.dispatch_of(x, xq, xs, weights, ids);
     d.status = status;
-    runner.run(d, fp8_problem::quant(w13, s13, w2, s2), out, ws, cuda::stream_ref(stream));
+    p.with_quant(w13, s13, w2, s2, [&](const auto& q) { runner.run(d, q, out, ws, cuda::stream_ref(stream)); });
   }
 
   host_tensor result(const fp8_problem& p) const {
@@ -152,10 +178,12 @@ double worst_token_error(const host_tensor& got, const host_tensor& want, std::i
   return worst;
 }
 
-double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& rng, bool preq = false) {
+double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& rng, bool preq = false,
+                  mr::fp8_weight_scaling scaling = mr::fp8_weight_scaling::block128) {
   CAPTURE(mr::test::describe(s, t, o));
   CAPTURE(preq);
-  fp8_problem p(s, t, o, rng, preq);
+  CAPTURE(static_cast<int>(scaling));
+  fp8_problem p(s, t, o, rng, preq, std::nullopt, scaling);
   fp8_on_device g(p);
   const host_tensor got = g.run_once(p);
   const double err = mr::test::rel_error(got.view, p.ref.view);
@@ -218,6 +246,17 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       const double err = mr::test::rel_error(got.view, p.ref.view);
       CHECK_MESSAGE(err <= fp8_bound, "split-K rel err ", err, det ? " deterministic" : "");
       worst = std::max(worst, err);
+    }
+  }
+  SUBCASE("per-tensor and per-channel weight scales") {
+    for (mr::fp8_weight_scaling sc : {mr::fp8_weight_scaling::per_tensor, mr::fp8_weight_scaling::per_channel}) {
+      worst = std::max(worst, check_case({64, 16, 4, 384, 256}, bf16, {}, rng, false, sc));  // H % 256 = 128
+      worst = std::max(worst, check_case({33, 8, 2, 256, 384}, bf16, {.gated = false}, rng, false, sc));
+      worst = std::max(worst, check_case({33, 8, 2, 256, 256}, bf16, {.interleaved = true}, rng, false, sc));
+      worst = std::max(worst, check_case({33, 8, 1, 256, 256}, bf16, {.weight_on_input = true}, rng, false, sc));
+      worst = std::max(worst, check_case({40, 8, 2, 256, 256}, bf16, {.deterministic = true}, rng, false, sc));
+      worst = std::max(worst, check_case({3, 8, 2, 1024, 2048}, bf16, {}, rng, false, sc));  // GEMM2's K split
+      worst = std::max(worst, check_case({96, 8, 2, 1024, 1536}, mr::dtype::f16, {}, rng, true, sc));
     }
   }
   SUBCASE("e4m3 hidden_states with their scales") {
@@ -342,6 +381,20 @@ TEST_CASE("fp8: bad input is rejected before anything runs") {
   mr::DispatchOutput no_scales = d;
   no_scales.hidden_states.type = mr::dtype::f8_e4m3;  // e4m3 activations without their scales
   rejects(good, no_scales, "e4m3 hidden_states without hidden_scales");
+  // Per-tensor and per-channel scales of another format's shape, or on the host.
+  mr::test::device_tensor t13(host_tensor(mr::dtype::f32, {8})), c13(host_tensor(mr::dtype::f32, {8, 512})),
+      c2(host_tensor(mr::dtype::f32, {8, 256}));
+  const auto rejects_any = [&](const auto& qq, const char* what) {
+    CAPTURE(what);
+    CHECK_THROWS_AS(g.runner.run(d, qq, g.out, g.ws, {}), mr::moe_error);
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK(untouched());
+  };
+  rejects_any(mr::fp8_tensor_quant_info{g.w13.view, g.s13.view, g.w2.view, t13.view}, "per-tensor with block scales");
+  rejects_any(mr::fp8_channel_quant_info{g.w13.view, t13.view, g.w2.view, c2.view}, "per-channel w13_scale [E]");
+  mr::tensor_view host_c2 = c2.view;
+  host_c2.space = mr::memory_space::host;
+  rejects_any(mr::fp8_channel_quant_info{g.w13.view, c13.view, g.w2.view, host_c2}, "per-channel w2_scale on the host");
   // A quant info the backend cannot consume: unquantized weights.
   CHECK_THROWS_AS(g.runner.run(d, mr::unquantized_quant_info{g.w13.view, g.w2.view}, g.out, g.ws, {}),
                   mr::moe_error);

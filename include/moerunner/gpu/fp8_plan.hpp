@@ -18,7 +18,7 @@ namespace moerunner::gpu {
 
 // The fp8 GEMMs' tile (kernels::wgmma_fp8_shape reads these): 64 rows, 256 B rows (GEMM2: 256
 // output columns), K tiles of one scale block.
-inline constexpr int fp8_group_size = fp8_block_quant_info::block;
+inline constexpr int fp8_group_size = fp8_block_quant_info::group;
 inline constexpr int fp8_block_m = 64, fp8_down_cols = 256, fp8_block_k = fp8_group_size;
 // GEMM2 splits K only where its items come in at most two waves: 64-row tiles make many items
 // at mid sizes (Mixtral-8x7B at 512 tokens: 384, which four waves would split 11 ways, 11x the

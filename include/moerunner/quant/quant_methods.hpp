@@ -21,15 +21,25 @@ struct unquantized_method {
   }
 };
 
-// fp8 e4m3 weights with 128x128 block scales; feeds backends that list fp8_block_quant_info.
-struct fp8_block_method {
-  static constexpr std::string_view name = "fp8_block";
-
+// fp8 e4m3 weights with f32 scales (moe_weights' w13_scale and w2_scale) of one granularity;
+// feeds backends that list the matching fp8_quant_info.
+template <class QI>
+struct fp8_method_base {
   template <class P>
-    requires concept_parts::runs_with<P, fp8_block_quant_info>
-  fp8_block_quant_info get_moe_quant_info(const moe_weights& w, backend_tag<P>) const {
+    requires concept_parts::runs_with<P, QI>
+  QI get_moe_quant_info(const moe_weights& w, backend_tag<P>) const {
     return {w.w13, w.w13_scale, w.w2, w.w2_scale};
   }
+};
+
+struct fp8_block_method : fp8_method_base<fp8_block_quant_info> {  // one scale per 128x128 block
+  static constexpr std::string_view name = "fp8_block";
+};
+struct fp8_tensor_method : fp8_method_base<fp8_tensor_quant_info> {  // one scale per expert matrix
+  static constexpr std::string_view name = "fp8_tensor";
+};
+struct fp8_channel_method : fp8_method_base<fp8_channel_quant_info> {  // one scale per output row
+  static constexpr std::string_view name = "fp8_channel";
 };
 
 // Static pair: a method that cannot feed the backend fails to compile, with a sentence.

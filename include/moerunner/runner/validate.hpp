@@ -103,20 +103,27 @@ inline void validate_quant_info(const MoeRunnerConfig& cfg, const unquantized_qu
   validate_bias(q.b2, cfg.num_local_experts(), cfg.hidden_size(), q.w13.type, space, where, "b2");
 }
 
-inline void validate_quant_info(const MoeRunnerConfig& cfg, const fp8_block_quant_info& q, memory_space space,
-                                const char* where) {
-  constexpr int b = fp8_block_quant_info::block;
-  const auto blocks = [](std::int64_t n) { return (n + b - 1) / b; };
-  validate_weight(q.w13, cfg.num_local_experts(), cfg.w13_rows(), cfg.hidden_size(), space, where, "w13");
-  validate_weight(q.w2, cfg.num_local_experts(), cfg.hidden_size(), cfg.intermediate_size(), space, where, "w2");
+// e4m3 weights with f32 scales shaped by the format: [E, blocks of rows, blocks of cols] per
+// 128x128 block, [E, rows] per channel, [E] per tensor.
+template <fp8_weight_scaling S>
+void validate_quant_info(const MoeRunnerConfig& cfg, const fp8_quant_info<S>& q, memory_space space,
+                         const char* where) {
+  const std::int64_t e = cfg.num_local_experts(), rows = cfg.w13_rows(), h = cfg.hidden_size(),
+                     inter = cfg.intermediate_size();
+  validate_weight(q.w13, e, rows, h, space, where, "w13");
+  validate_weight(q.w2, e, h, inter, space, where, "w2");
   check::type(q.w13, dtype::f8_e4m3, where, "w13");
   check::type(q.w2, dtype::f8_e4m3, where, "w2");
-  validate_weight(q.w13_scale, cfg.num_local_experts(), blocks(cfg.w13_rows()), blocks(cfg.hidden_size()), space,
-                  where, "w13_scale");
-  validate_weight(q.w2_scale, cfg.num_local_experts(), blocks(cfg.hidden_size()), blocks(cfg.intermediate_size()),
-                  space, where, "w2_scale");
-  check::type(q.w13_scale, dtype::f32, where, "w13_scale");
-  check::type(q.w2_scale, dtype::f32, where, "w2_scale");
+  const auto scales = [&](const tensor_view& s, std::int64_t r, std::int64_t c, const char* what) {
+    constexpr int b = fp8_quant_info<S>::group;
+    if constexpr (S == fp8_weight_scaling::block128)
+      validate_shape(s, {e, (r + b - 1) / b, (c + b - 1) / b}, space, where, what);
+    else if constexpr (S == fp8_weight_scaling::per_channel) validate_shape(s, {e, r}, space, where, what);
+    else validate_shape(s, {e}, space, where, what);
+    check::type(s, dtype::f32, where, what);
+  };
+  scales(q.w13_scale, rows, h, "w13_scale");
+  scales(q.w2_scale, h, inter, "w2_scale");
 }
 
 // Host ids only: every id in [-1, num_local_experts), so that a host policy may index its

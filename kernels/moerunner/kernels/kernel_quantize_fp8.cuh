@@ -20,7 +20,7 @@
 
 namespace moerunner::kernels {
 
-inline constexpr int fp8_group = fp8_block_quant_info::block;
+inline constexpr int fp8_group = fp8_block_quant_info::group;
 inline constexpr float fp8_e4m3_max = 448.0f;
 
 __device__ __forceinline__ float fp8_group_scale(float amax) {

@@ -53,7 +53,9 @@ struct moe_gemm_fp8_params {
   moe_gemm_params<T> g;
   const std::uint8_t* a = nullptr;  // e4m3: GEMM1 x [M, k] (rows gathered), GEMM2 act [R, k]
   const float* a_scale = nullptr;   // [rows of a, k / 128]
-  const float* b_scale = nullptr;   // [E, b_rows_per_expert / 128, k / 128]
+  const float* b_scale = nullptr;   // block128: [E, b_rows_per_expert / 128, k / 128]; per_tensor:
+                                    // [E]; per_channel: [E, b_rows_per_expert]
+  fp8_weight_scaling b_scaling = fp8_weight_scaling::block128;
   std::uint8_t* act = nullptr;      // GEMM1: e4m3 act [R, n]
   float* act_scale = nullptr;       // GEMM1: [R, n / 128]
 };
@@ -136,8 +138,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
 #pragma unroll
       for (int i = 0; i < a_passes; ++i)
         a_src_row[i] = a_source_row<Kind>(tile, ld_row + i * rows_per_pass, g.row_to_slot, g.top_k);
-      // The B scale this thread copies per stage (threads of chunk 1, one per box), or none.
-      const bool copies_b_scale = ld_chunk == 1 && ld_row < b_scales;
+      // The B scale this thread copies per stage (threads of chunk 1, one per box), or none
+      // (per channel: the epilogue applies the scales).
+      const bool per_block = p.b_scaling == fp8_weight_scaling::block128;
+      const bool copies_b_scale =
+          ld_chunk == 1 && ld_row < b_scales && p.b_scaling != fp8_weight_scaling::per_channel;
       std::int64_t b_scale_base = 0;
       bool b_scale_ok = false;
       if (copies_b_scale) {
@@ -146,7 +151,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
         box_origin(ld_row, n0, col, half);
         const std::int64_t row = b_row<Kind>(g, half, col);
         b_scale_ok = row < g.b_rows_per_expert;  // a box past n (GEMM2's last N tile) reads zeros
-        b_scale_base = (tile.expert * b_scale_rows + row / fp8_group) * k_tiles;
+        b_scale_base = per_block ? (tile.expert * b_scale_rows + row / fp8_group) * k_tiles : tile.expert;
       }
       for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
         const int stage = static_cast<int>(it % stages);
@@ -179,8 +184,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
                        p.a_scale + static_cast<std::int64_t>(a_src_row[i]) * a_scale_stride + kt, true);
         }
         if (copies_b_scale)
-          cp_async_4(smem_address(sa + b_scale_offset + ld_row * 4), p.b_scale + (b_scale_ok ? b_scale_base + kt : 0),
-                     b_scale_ok);
+          cp_async_4(smem_address(sa + b_scale_offset + ld_row * 4),
+                     p.b_scale + (b_scale_ok ? b_scale_base + (per_block ? kt : 0) : 0), b_scale_ok);
         cp_async_arrive_noinc(&bars.full[stage]);
       }
     }
@@ -192,6 +197,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
     const int group = threadIdx.x / 128 - 1;  // consumer warpgroup
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int k_tiles = g.k / bk;
+    const bool per_channel = p.b_scaling == fp8_weight_scaling::per_channel;
     if constexpr (Kind != moe_gemm_kind::down)
       clear_output(g, static_cast<int>(threadIdx.x) - producer_threads, 128 * consumers);
     const int tiles = *g.tile_count;
@@ -231,7 +237,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
         const float* b_scale_s = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
         const int r0 = 16 * warp + lane / 4;
         const float sa0 = a_scales[r0], sa1 = a_scales[r0 + 8];
-        const float sb0 = b_scale_s[group * halves], sb1 = b_scale_s[group * halves + halves - 1];
+        const float sb0 = per_channel ? 1.0f : b_scale_s[group * halves];
+        const float sb1 = per_channel ? 1.0f : b_scale_s[group * halves + halves - 1];
         __syncwarp();
         if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[stage]);
         // Register 4j + 2h + q: row r0 + 8h, column 8j + 2(lane % 4) + q of the warpgroup's 128
@@ -242,9 +249,15 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
       }
       if (rows <= 0) continue;
       if constexpr (Kind == moe_gemm_kind::down) {
-        wgmma_epilogue<T, Kind>::template store<16, false>(
-            g, tile, n0 + 128 * group, item.split, 0, warp, lane, [&](int j, int i) { return acc[4 * j + i]; },
-            [&](int, int) { return 0.0f; });
+        const int col_base = n0 + 128 * group;
+        const float* chan = p.b_scale + static_cast<std::int64_t>(tile.expert) * g.b_rows_per_expert;
+        // Per channel, column col's scale (add_blocks asks for columns past n too: no read there).
+        const auto value = [&](int j, int i) {
+          const int col = col_base + 8 * j + 2 * (lane % 4) + (i & 1);
+          return per_channel && col < g.n ? acc[4 * j + i] * chan[col] : acc[4 * j + i];
+        };
+        wgmma_epilogue<T, Kind>::template store<16, false>(g, tile, col_base, item.split, 0, warp, lane, value,
+                                                           [&](int, int) { return 0.0f; });
       } else {
         store_act(p, tile, n0, group, warp, lane, acc, amax_exchange[exchange]);
         exchange ^= 1;
@@ -267,6 +280,10 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
     const int rows = tile.row_end - tile.row_begin;
     if (halves == 1 && col_base >= g.n) return;  // a warpgroup past n (uniform across it)
     const int scales_per_row = g.n / fp8_group;
+    // Per channel, the expert's scale of each B row this thread's columns read (gate, then up).
+    const bool per_channel = p.b_scaling == fp8_weight_scaling::per_channel;
+    const float* chan = p.b_scale + static_cast<std::int64_t>(tile.expert) * g.b_rows_per_expert;
+    const auto channel_scale = [&](int half, int col) { return per_channel ? chan[b_row<Kind>(g, half, col)] : 1.0f; };
     float v[2][cols / 4];
     float amax[2];
 #pragma unroll
@@ -281,8 +298,10 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
       for (int j = 0; j < cols / 8; ++j)
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
-          const float s = acc[4 * j + 2 * h + q] * scale;
-          const float a = halves == 2 ? apply_activation(g.act, true, s, acc[4 * (j + 8) + 2 * h + q] * scale)
+          const int col = col_base + 8 * j + 2 * (lane % 4) + q;
+          const float s = acc[4 * j + 2 * h + q] * channel_scale(0, col) * scale;
+          const float a = halves == 2 ? apply_activation(g.act, true, s,
+                                                         acc[4 * (j + 8) + 2 * h + q] * channel_scale(1, col) * scale)
                                       : apply_activation(g.act, false, s, 0.0f);
           v[h][2 * j + q] = a;
           amax[h] = fmaxf(amax[h], fabsf(a));

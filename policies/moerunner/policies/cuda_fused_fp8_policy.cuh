@@ -1,23 +1,26 @@
-// The `cuda_fused_fp8` backend: the runner core in fp8 e4m3 with 128 x 128 block scales
-// (DeepSeek-V3's format, fp8_block_quant_info) on Hopper's fp8 wgmma, sm_90a only.
+// The `cuda_fused_fp8` backend: the runner core in fp8 e4m3 on Hopper's fp8 wgmma, sm_90a only,
+// for the three fp8 weight formats: 128 x 128 block scales (DeepSeek-V3's, fp8_block_quant_info),
+// one scale per expert matrix (fp8_tensor_quant_info) or per output channel
+// (fp8_channel_quant_info).
 //
 // Pipeline, all on the caller's stream, nothing on the host in between (CUDA-graph capturable):
 //   routing plan and 64-row M-tile schedule (the plan kernel, as cuda_fused)
 //   -> the input rows quantized per token in groups of 128 into the workspace (e4m3 + an f32
 //      scale per group), unless hidden_states come as e4m3 with hidden_scales
 //   -> GEMM1: e4m3 x rows gathered inside the load, times w13[e]^T, each 128-K block's sum added
-//      into f32 times its row's x scale and the weight block's scale; the epilogue pairs gate
-//      and up columns, applies the activation in f32 (the router weight first where applied on
-//      the input) and writes act as e4m3 with one scale per row and 128 columns
+//      into f32 times its row's x scale and the weight block's (or the matrix's) scale; per
+//      channel, the epilogue multiplies each column by its scale instead; the epilogue pairs
+//      gate and up columns, applies the activation in f32 (the router weight first where
+//      applied on the input) and writes act as e4m3 with one scale per row and 128 columns
 //   -> GEMM2: e4m3 act times w2[e]^T, scaled alike; rows into the output by vector reductions,
 //      or (deterministic, batch-invariant, or short I with many slots) rows that a combine
 //      kernel sums in slot order, or (no_combine) each row to its [token, slot] place; at
 //      decode GEMM2 also splits K (gpu::make_fp8_plan decides, once per run).
-// The quantization points and rule are the reference's (fp8_block_method on `reference`), so
+// The quantization points and rule are the reference's (the fp8 methods on `reference`), so
 // the two agree to the fp8 rounding of values the GEMMs compute in a different order.
 //
-// Requirements, checked with a clear error before anything runs: w13 and w2 e4m3 with f32 block
-// scales on the device; hidden_states bf16 or f16 (output: the same) or e4m3 with hidden_scales
+// Requirements, checked with a clear error before anything runs: w13 and w2 e4m3 with f32
+// scales of the format's shape on the device; hidden_states bf16 or f16 (output: the same) or e4m3 with hidden_scales
 // [M, H/128] (output: bf16); hidden_size and intermediate_size multiples of 128; hidden_states,
 // w13 and w2 16-byte aligned, the scales 4-byte, the output 16-byte unless GEMM2 writes rows; an
 // sm_90a image on the device. Expert ids outside [-1, num_local_experts) count as -1 and are
@@ -59,7 +62,7 @@ class cuda_fused_fp8_policy {
  public:
   static constexpr std::string_view name = "cuda_fused_fp8";
   static constexpr memory_space tensor_space = memory_space::device;
-  using quant_infos = quant_info_list<fp8_block_quant_info>;
+  using quant_infos = quant_info_list<fp8_block_quant_info, fp8_tensor_quant_info, fp8_channel_quant_info>;
   static constexpr bool graph_capturable = true;
   static constexpr std::size_t pointer_alignment = 16;
 
@@ -81,8 +84,9 @@ class cuda_fused_fp8_policy {
     return plan(num_tokens, dev).workspace.total;
   }
 
-  CombineInput run_from_dispatch(const DispatchOutput& d, const fp8_block_quant_info& q, const tensor_view& out,
-                                 workspace_view ws, cuda::stream_ref stream_ref) {
+  template <fp8_weight_format Q>
+  CombineInput run_from_dispatch(const DispatchOutput& d, const Q& q, const tensor_view& out, workspace_view ws,
+                                 cuda::stream_ref stream_ref) {
     constexpr const char* where = "cuda_fused_fp8_policy";
     detail::validate_dispatch(cfg_, d, out, tensor_space, where);
     detail::validate_quant_info(cfg_, q, tensor_space, where);
@@ -116,14 +120,26 @@ class cuda_fused_fp8_policy {
       throw unsupported_error(std::string(where) + ": fp8 GEMMs need code compiled for sm_90a; this device (sm_" +
                               std::to_string(dev.arch) + ") runs code compiled for sm_" + std::to_string(dev.code_arch) +
                               " without it");
-    if (out.type == dtype::bf16) run_as<__nv_bfloat16>(d, q, out, ws, pl, dev, stream_ref.get());
-    else run_as<__half>(d, q, out, ws, pl, dev, stream_ref.get());
+    const fp8_weights w{static_cast<const std::uint8_t*>(q.w13.data), static_cast<const float*>(q.w13_scale.data),
+                        static_cast<const std::uint8_t*>(q.w2.data), static_cast<const float*>(q.w2_scale.data),
+                        Q::scaling};
+    if (out.type == dtype::bf16) run_as<__nv_bfloat16>(d, w, out, ws, pl, dev, stream_ref.get());
+    else run_as<__half>(d, w, out, ws, pl, dev, stream_ref.get());
     return result;
   }
 
  private:
+  // The three formats differ only in how the kernels read the scales: one run_as for all.
+  struct fp8_weights {
+    const std::uint8_t* w13;
+    const float* w13_scale;
+    const std::uint8_t* w2;
+    const float* w2_scale;
+    fp8_weight_scaling scaling;
+  };
+
   template <class T>
-  void run_as(const DispatchOutput& d, const fp8_block_quant_info& q, const tensor_view& out, workspace_view ws,
+  void run_as(const DispatchOutput& d, const fp8_weights& q, const tensor_view& out, workspace_view ws,
               const gpu::fp8_plan& pl, const gpu::device_facts& dev, cudaStream_t stream) {
     using kernels::moe_gemm_kind;
     const gpu::fp8_workspace& lay = pl.workspace;
@@ -171,7 +187,8 @@ class cuda_fused_fp8_policy {
     }
     g1.a = x_q;
     g1.a_scale = x_scale;
-    g1.b_scale = q.w13_scale.ptr<const float>();
+    g1.b_scale = q.w13_scale;
+    g1.b_scaling = q.scaling;
     g1.act = act;
     g1.act_scale = act_scale;
 
@@ -189,11 +206,12 @@ class cuda_fused_fp8_policy {
     gpu::set_down_store(g2.g, pl.down, base + lay.rows, slots, out, row_weights, scale);
     g2.a = act;
     g2.a_scale = act_scale;
-    g2.b_scale = q.w2_scale.ptr<const float>();
+    g2.b_scale = q.w2_scale;
+    g2.b_scaling = q.scaling;
 
     const int experts = cfg_.num_local_experts();
-    const auto* w13 = q.w13.ptr<const std::uint8_t>();
-    const auto* w2 = q.w2.ptr<const std::uint8_t>();
+    const std::uint8_t* w13 = q.w13;
+    const std::uint8_t* w2 = q.w2;
     if (cfg_.is_gated())
       gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up>(g1, w13, experts, built.schedule, dev, stream);
     else gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only>(g1, w13, experts, built.schedule, dev, stream);

@@ -22,7 +22,7 @@ namespace moerunner {
 namespace reference {
 
 // Quantizes `v` (length n) in groups of 128 to e4m3 with scale amax/448 and returns
-// the dequantized values: the activation path of the fp8 block format.
+// the dequantized values: the activation path of every fp8 format.
 inline void fp8_group_roundtrip(std::vector<double>& v) {
   for (std::size_t g = 0; g < v.size(); g += 128) {
     const std::size_t end = std::min(v.size(), g + 128);
@@ -44,23 +44,22 @@ inline void store_from_double(const tensor_view& t, std::int64_t i, double v) {
   }
 }
 
-// One expert's weight matrix [rows, cols] as doubles, dequantized when block-scaled.
+// One expert's weight matrix [rows, cols] as doubles, times its fp8 scale where there is one.
 class expert_matrix {
  public:
-  expert_matrix(const tensor_view& w, const tensor_view* scale, int expert) : w_(w), scale_(scale), e_(expert) {}
+  expert_matrix(const tensor_view& w, const tensor_view* scale, fp8_weight_scaling scaling, int expert)
+      : w_(w), scale_(scale), scaling_(scaling), e_(expert) {}
   double operator()(std::int64_t r, std::int64_t c) const {
     const std::int64_t rows = w_.shape[1], cols = w_.shape[2];
     double v = detail::load_as_float(w_, (e_ * rows + r) * cols + c);
-    if (scale_) {
-      const std::int64_t sr = scale_->shape[1], sc = scale_->shape[2];
-      v *= scale_->ptr<const float>()[(e_ * sr + r / 128) * sc + c / 128];
-    }
+    if (scale_) v *= scale_->ptr<const float>()[fp8_weight_scale_index(scaling_, e_, r, c, rows, cols)];
     return v;
   }
 
  private:
   const tensor_view& w_;
   const tensor_view* scale_;
+  fp8_weight_scaling scaling_;
   std::int64_t e_;
 };
 
@@ -70,20 +69,22 @@ class reference_policy {
  public:
   static constexpr std::string_view name = "reference";
   static constexpr memory_space tensor_space = memory_space::host;
-  using quant_infos = quant_info_list<unquantized_quant_info, fp8_block_quant_info>;
+  using quant_infos =
+      quant_info_list<unquantized_quant_info, fp8_block_quant_info, fp8_tensor_quant_info, fp8_channel_quant_info>;
 
   explicit reference_policy(const MoeRunnerConfig& cfg) : cfg_(cfg) {}
   std::size_t workspace_bytes(std::int64_t) const { return 0; }
 
   CombineInput run_from_dispatch(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
                                  workspace_view, cuda::stream_ref) const {
-    run(d, q.w13, nullptr, q.w2, nullptr, false, q.b13, q.b2, out);
+    run(d, q.w13, nullptr, q.w2, nullptr, {}, q.b13, q.b2, out);
     return {out, !cfg_.no_combine()};
   }
 
-  CombineInput run_from_dispatch(const DispatchOutput& d, const fp8_block_quant_info& q, const tensor_view& out,
-                                 workspace_view, cuda::stream_ref) const {
-    run(d, q.w13, &q.w13_scale, q.w2, &q.w2_scale, true, {}, {}, out);
+  template <fp8_weight_format Q>
+  CombineInput run_from_dispatch(const DispatchOutput& d, const Q& q, const tensor_view& out, workspace_view,
+                                 cuda::stream_ref) const {
+    run(d, q.w13, &q.w13_scale, q.w2, &q.w2_scale, Q::scaling, {}, {}, out);
     return {out, !cfg_.no_combine()};
   }
 
@@ -105,10 +106,12 @@ class reference_policy {
     return x;
   }
 
+  // s13, s2: fp8 weight scales of granularity `weight_scaling`, or null for unquantized weights;
   // b13, b2: per-expert biases, or empty views for none.
   void run(const DispatchOutput& d, const tensor_view& w13, const tensor_view* s13, const tensor_view& w2,
-           const tensor_view* s2, bool fp8, const tensor_view& b13, const tensor_view& b2,
+           const tensor_view* s2, fp8_weight_scaling weight_scaling, const tensor_view& b13, const tensor_view& b2,
            const tensor_view& out) const {
+    const bool fp8 = s13 != nullptr;
     // Again here, for a caller that runs the policy without a runner: before any store.
     detail::validate_host_ids(cfg_, d.topk.topk_ids, "reference_policy");
     const std::int64_t m = d.num_tokens();
@@ -136,7 +139,7 @@ class reference_policy {
         const double sum_scale = fp8 && cfg_.apply_router_weight_on_input() ? wgt : 1.0;
         if (!fp8 && cfg_.apply_router_weight_on_input())
           for (double& v : x) v *= wgt;
-        const reference::expert_matrix a(w13, s13, e), b(w2, s2, e);
+        const reference::expert_matrix a(w13, s13, weight_scaling, e), b(w2, s2, weight_scaling, e);
         const std::int64_t rows13 = cfg_.w13_rows();
         for (int i = 0; i < inter; ++i) {
           const std::int64_t gate_row = w13_row(cfg_.gate_up_layout(), 0, i, inter);
