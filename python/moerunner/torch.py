@@ -6,15 +6,17 @@ CUDA graphs capture. Import it where torch is installed:
     weights, ids = mt.topk(router_logits, top_k=8)
     out = mt.fused_moe(runner, x, ids, weights, w13, w2)
 
-The ops are moerunner::topk and moerunner::fused_moe. A runner is not a tensor, so the op takes
-its handle (MoeRunner.handle, an int every runner gets when it is built) and finds the runner by
-it while the runner lives: keep the runner (the model's module does) as long as a compiled
-function or graph calls the op. The workspace comes from torch's caching allocator on every
+The ops are moerunner::topk, moerunner::fused_moe and moerunner::fused_moe_status (the same run
+with a status tensor, declared mutated: inductor cannot lower an op whose mutated argument may be
+None, so the status has an op of its own). A runner is not a tensor, so an op takes its handle
+(MoeRunner.handle, a string every runner gets when it is built) and finds the runner by it while
+the runner lives: keep the runner (the model's module does) as long as a compiled function or
+graph calls the op. The workspace comes from torch's caching allocator on every
 call (inside a graph capture, from the graph's pool), the stream is torch's current stream.
 
 fused_moe's optional status is the caller's int32 [2] tensor (bad_slots, first_bad_slot) that a
-cuda_fused or cuda_fused_fp8 run adds bad expert ids to, as MoeRunner.run's: the op declares it
-mutated, so a compiled or graph-captured model reads it after the step, and zeroes it where a
+cuda_fused or cuda_fused_fp8 run adds bad expert ids to, as MoeRunner.run's: fused_moe_status
+declares it mutated, so a compiled or graph-captured model reads it after the step, and zeroes it where a
 count starts.
 """
 
@@ -26,7 +28,7 @@ from . import _routing
 from ._runner import MoeRunner, runner_of_handle
 
 
-def handle(runner: MoeRunner) -> int:
+def handle(runner: MoeRunner) -> str:
     """The op's handle for runner."""
     if runner.config["inplace"]:
         raise ValueError("moerunner.torch.fused_moe returns a new tensor; build the runner with inplace=False")
@@ -42,13 +44,7 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if x.dtype == torch.float8_e4m3fn else x.dtype
 
 
-@torch.library.custom_op("moerunner::fused_moe", mutates_args=("status",))
-def _fused_moe(runner_handle: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-               w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
-               hidden_scales: Optional[torch.Tensor], w13_scale: Optional[torch.Tensor],
-               w2_scale: Optional[torch.Tensor], status: Optional[torch.Tensor]) -> torch.Tensor:
-    # status has no default: the dispatcher drops trailing arguments equal to their defaults
-    # before the op's mutation bookkeeping indexes them by schema position.
+def _run(runner_handle, x, topk_ids, topk_weights, w13, w2, b13, b2, hidden_scales, w13_scale, w2_scale, status):
     runner = runner_of_handle(runner_handle)
     out = torch.empty(_out_shape(runner, x), dtype=_out_dtype(x), device=x.device)
     nbytes = runner.workspace_bytes(x.shape[0])
@@ -58,10 +54,35 @@ def _fused_moe(runner_handle: int, x: torch.Tensor, topk_ids: torch.Tensor, topk
     return out
 
 
+def _fake_out(runner_handle, x):
+    return x.new_empty(_out_shape(runner_of_handle(runner_handle), x), dtype=_out_dtype(x))
+
+
+@torch.library.custom_op("moerunner::fused_moe", mutates_args=())
+def _fused_moe(runner_handle: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
+               hidden_scales: Optional[torch.Tensor], w13_scale: Optional[torch.Tensor],
+               w2_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    return _run(runner_handle, x, topk_ids, topk_weights, w13, w2, b13, b2, hidden_scales, w13_scale, w2_scale, None)
+
+
 @_fused_moe.register_fake
+def _(runner_handle, x, topk_ids, topk_weights, w13, w2, b13, b2, hidden_scales, w13_scale, w2_scale):
+    return _fake_out(runner_handle, x)
+
+
+@torch.library.custom_op("moerunner::fused_moe_status", mutates_args=("status",))
+def _fused_moe_status(runner_handle: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
+                      hidden_scales: Optional[torch.Tensor], w13_scale: Optional[torch.Tensor],
+                      w2_scale: Optional[torch.Tensor], status: torch.Tensor) -> torch.Tensor:
+    return _run(runner_handle, x, topk_ids, topk_weights, w13, w2, b13, b2, hidden_scales, w13_scale, w2_scale, status)
+
+
+@_fused_moe_status.register_fake
 def _(runner_handle, x, topk_ids, topk_weights, w13, w2, b13, b2, hidden_scales, w13_scale, w2_scale, status):
     # status is only added to in place: its shape and dtype are the caller's, nothing to build.
-    return x.new_empty(_out_shape(runner_of_handle(runner_handle), x), dtype=_out_dtype(x))
+    return _fake_out(runner_handle, x)
 
 
 @torch.library.custom_op("moerunner::topk", mutates_args=())
@@ -87,11 +108,14 @@ def _(router_logits, correction_bias, top_k, scoring, renormalize, num_expert_gr
 
 def fused_moe(runner: MoeRunner, x, topk_ids, topk_weights, w13, w2, b13=None, b2=None, hidden_scales=None,
               w13_scale=None, w2_scale=None, status=None):
-    """runner.run(...) as the op moerunner::fused_moe: a new output tensor, workspace from torch.
-    status: None, or the int32 [2] tensor (bad_slots, first_bad_slot) on x's device that a
-    cuda_fused or cuda_fused_fp8 run adds bad expert ids to (runs only add; the caller zeroes it)."""
-    return torch.ops.moerunner.fused_moe(handle(runner), x, topk_ids, topk_weights, w13, w2, b13, b2,
-                                         hidden_scales, w13_scale, w2_scale, status)
+    """runner.run(...) as the op moerunner::fused_moe (moerunner::fused_moe_status with a status):
+    a new output tensor, workspace from torch. status: None, or the int32 [2] tensor (bad_slots,
+    first_bad_slot) on x's device that a cuda_fused or cuda_fused_fp8 run adds bad expert ids to
+    (runs only add; the caller zeroes it)."""
+    args = (handle(runner), x, topk_ids, topk_weights, w13, w2, b13, b2, hidden_scales, w13_scale, w2_scale)
+    if status is None:
+        return torch.ops.moerunner.fused_moe(*args)
+    return torch.ops.moerunner.fused_moe_status(*args, status)
 
 
 def topk(router_logits, *, top_k, correction_bias=None, scoring="softmax", renormalize=True, num_expert_group=0,

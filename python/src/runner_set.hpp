@@ -66,7 +66,8 @@ class runner_model final : public any_runner {
   template <class QI>
   void run_any(const DispatchOutput& d, const QI& q, const tensor_view& out, workspace_view ws, std::uintptr_t stream,
                int device) {
-    const Guard guard(device);
+    // A host backend touches no device: device arrays are its validation's to refuse.
+    const Guard guard(runner_.tensor_space() == memory_space::device ? device : -1);
     runner_.run(d, q, out, ws, cuda::stream_ref(reinterpret_cast<cudaStream_t>(stream)));
   }
 

@@ -166,6 +166,22 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
 
 
+def test_a_failed_cuda_call_is_reported_once():
+    """A CUDA call that fails raises there, and leaves no last error behind for the next run's
+    launch checks to report as theirs (here: arrays on a device that does not exist, which the
+    call tries to make current)."""
+    from exchange_api import array_type
+
+    x, ids, weights, w13, w2 = problem(7)
+    r = runner("cuda_fused")
+    missing = array_type(device=(2, torch.cuda.device_count()))  # kDLCUDA, past the last device
+    fake = [missing(t.cpu().float().numpy()) for t in (x, ids, weights, w13, w2)]
+    with pytest.raises(moerunner.CudaError, match="cudaErrorInvalidDevice"):
+        r.run(*fake, out=missing(x.cpu().float().numpy()))
+    out = r.run(x, ids, weights, w13, w2)
+    torch.testing.assert_close(out.float(), moe_f32(x, ids, weights, w13, w2), rtol=2e-2, atol=2e-2)
+
+
 def test_call_reads_tensors_without_python_calls(monkeypatch):
     """A run on torch CUDA tensors, its stream left to torch, reads tensors and stream through
     DLPack's C exchange API: no __dlpack__ call, whose microseconds per tensor were most of the
@@ -173,7 +189,7 @@ def test_call_reads_tensors_without_python_calls(monkeypatch):
     if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
         pytest.skip("this torch has no DLPack C exchange API")
     x, ids, weights, w13, w2 = problem(1)
-    r = runner("cuda_fused")
+    r = runner("cuda_fused", deterministic=True)  # the two runs' bits are compared
     out = torch.empty_like(x)
     workspace = torch.empty(r.workspace_bytes(1), dtype=torch.uint8, device="cuda")
     r.run(x, ids, weights, w13, w2, out=out, workspace=workspace)

@@ -35,11 +35,10 @@ def test_opcheck():
     x = torch.randn(M, H)
     runner = moerunner.MoeRunner("reference", num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
     topk_weights, ids = mt.topk(x @ router.T, top_k=K)
-    torch.library.opcheck(torch.ops.moerunner.fused_moe.default,
-                          (mt.handle(runner), x, ids, topk_weights, w13, w2, None, None, None, None, None, None))
+    args = (mt.handle(runner), x, ids, topk_weights, w13, w2, None, None, None, None, None)
+    torch.library.opcheck(torch.ops.moerunner.fused_moe.default, args)
     status = torch.zeros(2, dtype=torch.int32)  # declared mutated: opcheck runs it through functionalization
-    torch.library.opcheck(torch.ops.moerunner.fused_moe.default,
-                          (mt.handle(runner), x, ids, topk_weights, w13, w2, None, None, None, None, None, status))
+    torch.library.opcheck(torch.ops.moerunner.fused_moe_status.default, args + (status,))
 
 
 def test_status_through_the_op():
@@ -65,18 +64,39 @@ def test_status_through_the_op():
     assert status.tolist() == [0, 0]
 
 
-def test_compile_fullgraph_on_cpu():
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compile_fullgraph_on_cpu(backend):
+    """Traced (eager), and lowered by inductor, which failed on an op whose mutated argument was
+    None (status: now an op of its own)."""
     router, w13, w2 = weights()
     runner = moerunner.MoeRunner("reference", num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
     module = MoeModule(runner, router, w13, w2, K)
     x = torch.randn(M, H)
-    compiled = torch.compile(module, fullgraph=True, backend="eager")
+    compiled = torch.compile(module, fullgraph=True, backend=backend)
     torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
 
 
-def test_compile_fullgraph_with_status_on_cpu():
-    """A status tensor through torch.compile: aot_eager functionalizes the op (the mutated
-    argument), as inductor does."""
+def test_compile_one_function_over_several_runners():
+    """One compiled function called with runner after runner (as a model's layers share their
+    code, a runner each): every call's handle stays a constant of its graph (an int handle became
+    symbolic at the second runner, and the fake implementation could not look it up)."""
+    router, w13, w2 = weights()
+    x = torch.randn(M, H)
+
+    def layer(runner, x):
+        topk_weights, ids = mt.topk(x @ router.T, top_k=K)
+        return mt.fused_moe(runner, x, ids, topk_weights, w13, w2)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    for _ in range(3):
+        runner = moerunner.MoeRunner("reference", num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
+        torch.testing.assert_close(compiled(runner, x), layer(runner, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_with_status_on_cpu(backend):
+    """A status tensor through torch.compile: the op functionalized for its mutated argument
+    (aot_eager), and lowered by inductor."""
     router, w13, w2 = weights()
     runner = moerunner.MoeRunner("reference", num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
     status = torch.zeros(2, dtype=torch.int32)
@@ -86,6 +106,6 @@ def test_compile_fullgraph_with_status_on_cpu():
         return mt.fused_moe(runner, x, ids, topk_weights, w13, w2, status=status)
 
     x = torch.randn(M, H)
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
     torch.testing.assert_close(compiled(x, status), layer(x, status), rtol=0, atol=0)
     assert status.tolist() == [0, 0]

@@ -59,6 +59,16 @@ std::string dims(const shape& s) {
 
 }  // namespace
 
+TEST_CASE("a failed runtime call is reported once: no last error is left for the next launch check") {
+  int count = 0;
+  MOE_CUDA_CHECK(cudaGetDeviceCount(&count));
+  CHECK_THROWS_AS(MOE_CUDA_CHECK(cudaSetDevice(count)), mr::cuda_error);  // one past the last device
+  CHECK(cudaGetLastError() == cudaSuccess);
+  int current = -1;
+  MOE_CUDA_CHECK(cudaGetDevice(&current));
+  CHECK(current >= 0);
+}
+
 TEST_CASE("gather_rows copies each valid row from its token and leaves the rest untouched") {
   const std::uint32_t seed = mr::test::test_seed();
   CAPTURE(seed);

@@ -9,10 +9,14 @@
 
 namespace moerunner::gpu {
 
+// A failed call is reported once, here: the runtime also keeps it as the thread's last error,
+// which the next launch check (cudaGetLastError) would report again as that launch's failure,
+// so it is cleared before the throw. (A sticky error stays: every later call reports it anyway.)
 inline void check_cuda(cudaError_t status, const char* what, const char* file, int line) {
-  if (status != cudaSuccess)
-    throw cuda_error(std::string(what) + " failed at " + file + ":" + std::to_string(line) + ": " +
-                     cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")");
+  if (status == cudaSuccess) return;
+  (void)cudaGetLastError();
+  throw cuda_error(std::string(what) + " failed at " + file + ":" + std::to_string(line) + ": " +
+                   cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")");
 }
 
 }  // namespace moerunner::gpu
