@@ -211,14 +211,17 @@ void check_fp8_layout(const g::fp8_plan& p, const moe_config_params& c) {
   CHECK(w.act == w.x_scale + w.x_scale_bytes);
   CHECK(w.act_scale == w.act + w.act_bytes);
   CHECK(w.rows == w.act_scale + w.act_scale_bytes);
-  CHECK(w.total == w.rows + w.rows_bytes + g::plan_piece_alignment);
-  for (std::size_t off : {w.schedule, w.x_q, w.x_scale, w.act, w.act_scale, w.rows})
+  CHECK(w.act_f32 == w.rows + w.rows_bytes);
+  CHECK(w.total == w.act_f32 + w.act_f32_bytes + g::plan_piece_alignment);
+  for (std::size_t off : {w.schedule, w.x_q, w.x_scale, w.act, w.act_scale, w.rows, w.act_f32})
     CHECK(off % g::plan_piece_alignment == 0);
+  if (p.stream) CHECK(w.act_f32_bytes >= slots * inter * 4);
+  else CHECK(w.act_f32_bytes == 0);
   CHECK(w.x_q_bytes >= m * h);
   CHECK(w.x_scale_bytes >= m * (h / 128) * 4);
   CHECK(w.act_bytes >= slots * inter);
   CHECK(w.act_scale_bytes >= slots * (inter / 128) * 4);
-  CHECK(w.schedule_bytes >= g::tile_schedule_bytes(static_cast<std::int64_t>(slots), c.num_experts, 64));
+  CHECK(w.schedule_bytes >= g::tile_schedule_bytes(static_cast<std::int64_t>(slots), c.num_experts, p.schedule_block_m));
   switch (p.down) {
     case g::down_store::rows: CHECK(w.rows_bytes >= slots * h * 2); break;
     case g::down_store::partials: CHECK(w.rows_bytes >= slots * h * 4 * static_cast<std::size_t>(p.down_k_splits)); break;
@@ -232,40 +235,62 @@ g::fp8_plan fp8_plan_of(moe_config_params p, std::int64_t m, g::device_target de
 
 }  // namespace
 
-TEST_CASE("fp8 plan: 64-row tiles, GEMM2 into the output, K split where items come in few waves, layouts consistent") {
+TEST_CASE("fp8 plan: stream GEMMs at decode, else 64-row tiles with K split where items come in few waves") {
   for (const moe_config_params& c : {mixtral(), qwen3(), deepseek()})
     for (std::int64_t m : {0, 1, 7, 64, 512, 4096, 16384}) {
       CAPTURE(c.num_experts);
       CAPTURE(m);
       const g::fp8_plan p = fp8_plan_of(c, m);
-      CHECK(p.schedule_block_m == 64);
+      // Stream where the active experts average at most 4 rows, as cuda_fused decides.
+      const std::int64_t slots = m * c.top_k, active = std::min<std::int64_t>(slots, c.num_experts);
+      CHECK(p.stream == (slots > 0 && slots <= 4 * active));
+      CHECK(p.schedule_block_m == (p.stream ? 8 : 64));
+      CHECK(p.schedule_in_gemms == (p.stream && slots <= 64));
       check_fp8_layout(p, c);
       CHECK(p.describe().find("cuda_fused_fp8 M=" + std::to_string(m)) == 0);
-      // A split keeps at least 4 K tiles of 128.
+      // A split keeps at least 4 K tiles of 128; the stream GEMMs never split across CTAs.
       CHECK(p.down_k_splits <= std::max(1, c.intermediate_size / 128 / 4));
-      if (m >= 512) CHECK(p.down_k_splits == 1);  // items in more than two waves
+      if (m >= 512 || p.stream) CHECK(p.down_k_splits == 1);  // items in more than two waves
     }
-  // DeepSeek-V3 at one token: 8 experts x 28 N tiles on 132 SMs take two item times; splitting
-  // K evens them out, and the parts meet in the output's reductions.
-  const g::fp8_plan d1 = fp8_plan_of(deepseek(), 1);
-  CHECK(d1.down_k_splits > 1);
-  CHECK(d1.down == g::down_store::accumulate);
-  CHECK(d1.clear_in_gemm1);
-  CHECK_FALSE(d1.combine_kernel);
+  // The benchmark's decode cells run the stream GEMMs: every shape at 1 and 8 tokens,
+  // DeepSeek-V3 and Qwen3-30B-A3B at 64 (2 and 4 rows per expert).
+  for (std::int64_t m : {1, 8}) {
+    CHECK(fp8_plan_of(mixtral(), m).stream);
+    CHECK(fp8_plan_of(qwen3(), m).stream);
+    CHECK(fp8_plan_of(deepseek(), m).stream);
+  }
+  CHECK(fp8_plan_of(deepseek(), 64).stream);
+  CHECK(fp8_plan_of(qwen3(), 64).stream);
+  CHECK_FALSE(fp8_plan_of(mixtral(), 64).stream);
+  // Mixtral-8x7B at 64 tokens: 8 experts' 64-row tiles x 16 N tiles come in two waves on 132
+  // SMs; splitting K evens them out, and the parts meet in the output's reductions.
+  const g::fp8_plan x64 = fp8_plan_of(mixtral(), 64);
+  CHECK(x64.down_k_splits > 1);
+  CHECK(x64.down == g::down_store::accumulate);
+  CHECK(x64.clear_in_gemm1);
+  CHECK_FALSE(x64.combine_kernel);
 }
 
 TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
-  moe_config_params det = deepseek();
+  moe_config_params det = mixtral();
   det.deterministic = true;
-  const g::fp8_plan d = fp8_plan_of(det, 1);
-  CHECK(d.down == g::down_store::partials);  // split K at decode: f32 parts summed in split order
+  const g::fp8_plan d = fp8_plan_of(det, 64);
+  CHECK(d.down == g::down_store::partials);  // split K: f32 parts summed in split order
   CHECK(d.combine_kernel);
   CHECK_FALSE(d.clear_in_gemm1);
   check_fp8_layout(d, det);
+  moe_config_params det_ds = deepseek();
+  det_ds.deterministic = true;
+  const g::fp8_plan ds = fp8_plan_of(det_ds, 1);  // stream: rows summed in slot order
+  CHECK(ds.stream);
+  CHECK(ds.down == g::down_store::rows);
+  CHECK(ds.combine_kernel);
+  check_fp8_layout(ds, det_ds);
   moe_config_params inv = deepseek();
   inv.batch_invariant = true;
   for (std::int64_t m : {1, 7, 64, 4096}) {
     const g::fp8_plan p = fp8_plan_of(inv, m);
+    CHECK_FALSE(p.stream);  // one kernel family, one K order, whatever the batch
     CHECK(p.down_k_splits == 1);
     CHECK(p.down == g::down_store::rows);
     CHECK(p.combine_kernel);
@@ -279,10 +304,10 @@ TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
 }
 
 TEST_CASE("fp8 plan: the split count follows the device's SMs (workspace sized per device)") {
-  moe_config_params det = deepseek();
+  moe_config_params det = mixtral();
   det.deterministic = true;
   const g::device_target slice{.code_arch = 90, .has_wgmma = true, .sm_count = 16};
-  const g::fp8_plan whole = fp8_plan_of(det, 1), small = fp8_plan_of(det, 1, slice);
+  const g::fp8_plan whole = fp8_plan_of(det, 64), small = fp8_plan_of(det, 64, slice);
   CHECK(whole.down_k_splits != small.down_k_splits);
   CHECK(whole.workspace.total != small.workspace.total);
 }

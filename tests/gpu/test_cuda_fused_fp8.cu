@@ -233,20 +233,50 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     worst = std::max(worst, check_case(sh, bf16, {.deterministic = true}, rng));
     worst = std::max(worst, check_case(sh, bf16, {.inplace = true, .deterministic = true}, rng));
   }
-  SUBCASE("decode with GEMM2's K split, both combines") {
-    // Few items over the SMs: the plan splits GEMM2's K (reductions into the output, or f32
-    // parts that combine sums in split order).
+  SUBCASE("wgmma with GEMM2's K split, both combines") {
+    // Few items over the SMs (8 experts of 16 rows): the plan splits GEMM2's K (reductions into
+    // the output, or f32 parts that combine sums in split order).
     for (bool det : {false, true}) {
       options o{.deterministic = det};
-      fp8_problem p({3, 8, 2, 1024, 2048}, bf16, o, rng);
+      fp8_problem p({64, 8, 2, 1024, 2048}, bf16, o, rng);
       fp8_on_device g(p);
-      CHECK(mr::gpu::make_fp8_plan(p.base.cfg, 3, mr::gpu::device_target_of(mr::gpu::current_device_facts()))
-                .down_k_splits > 1);
+      const mr::gpu::fp8_plan pl =
+          mr::gpu::make_fp8_plan(p.base.cfg, 64, mr::gpu::device_target_of(mr::gpu::current_device_facts()));
+      CHECK_FALSE(pl.stream);
+      CHECK(pl.down_k_splits > 1);
       const host_tensor got = g.run_once(p);
       const double err = mr::test::rel_error(got.view, p.ref.view);
       CHECK_MESSAGE(err <= fp8_bound, "split-K rel err ", err, det ? " deterministic" : "");
       worst = std::max(worst, err);
     }
+  }
+  SUBCASE("decode on the stream GEMMs") {
+    // At most 4 rows per active expert: the stream GEMMs, the schedule built in the GEMMs up to
+    // 64 slots and by the plan kernel above.
+    const auto stream_case = [&](const shape& sh, const options& o, bool preq = false,
+                                 mr::fp8_weight_scaling sc = mr::fp8_weight_scaling::block128) {
+      // The choice follows the shape (slots over experts) only.
+      const mr::MoeRunnerConfig cfg(mr::moe_config_params{
+          .num_experts = sh.e, .hidden_size = sh.h, .intermediate_size = sh.i, .top_k = sh.k});
+      const mr::gpu::fp8_plan pl =
+          mr::gpu::make_fp8_plan(cfg, sh.m, mr::gpu::device_target_of(mr::gpu::current_device_facts()));
+      CHECK(pl.stream);
+      worst = std::max(worst, check_case(sh, bf16, o, rng, preq, sc));
+    };
+    for (int m : {1, 2, 5}) stream_case({m, 8, 2, 512, 384}, {});  // I % 256 = 128
+    stream_case({16, 64, 8, 256, 256}, {});                          // 128 slots: the plan kernel's schedule
+    stream_case({4, 16, 4, 384, 256}, {.gated = false});
+    stream_case({4, 16, 4, 256, 256}, {.interleaved = true});
+    stream_case({6, 16, 1, 256, 256}, {.weight_on_input = true});
+    stream_case({4, 16, 4, 256, 256}, {.deterministic = true});
+    stream_case({20, 64, 8, 256, 256}, {.deterministic = true});  // plan kernel + combine
+    stream_case({4, 16, 4, 256, 256}, {.ids = mr::test::ids_kind::filtered, .no_combine = true});
+    stream_case({4, 16, 4, 256, 256}, {.inplace = true});
+    stream_case({4, 16, 4, 256, 256}, {.ids = mr::test::ids_kind::all_filtered});
+    stream_case({4, 16, 4, 256, 256}, {.scaling = 2.5f});
+    stream_case({3, 16, 4, 256, 256}, {}, true);
+    stream_case({3, 16, 4, 1024, 2048}, {}, false, mr::fp8_weight_scaling::per_channel);
+    stream_case({3, 16, 4, 1024, 2048}, {}, false, mr::fp8_weight_scaling::per_tensor);
   }
   SUBCASE("per-tensor and per-channel weight scales") {
     for (mr::fp8_weight_scaling sc : {mr::fp8_weight_scaling::per_tensor, mr::fp8_weight_scaling::per_channel}) {
@@ -255,7 +285,8 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       worst = std::max(worst, check_case({33, 8, 2, 256, 256}, bf16, {.interleaved = true}, rng, false, sc));
       worst = std::max(worst, check_case({33, 8, 1, 256, 256}, bf16, {.weight_on_input = true}, rng, false, sc));
       worst = std::max(worst, check_case({40, 8, 2, 256, 256}, bf16, {.deterministic = true}, rng, false, sc));
-      worst = std::max(worst, check_case({3, 8, 2, 1024, 2048}, bf16, {}, rng, false, sc));  // GEMM2's K split
+      worst = std::max(worst, check_case({3, 8, 2, 1024, 2048}, bf16, {}, rng, false, sc));   // stream GEMMs
+      worst = std::max(worst, check_case({64, 8, 2, 1024, 2048}, bf16, {}, rng, false, sc));  // GEMM2's K split
       worst = std::max(worst, check_case({96, 8, 2, 1024, 1536}, mr::dtype::f16, {}, rng, true, sc));
     }
   }
@@ -269,11 +300,13 @@ TEST_CASE("fp8 against the reference's fp8 path") {
 TEST_CASE("fp8: NaN stays in its token") {
   if (!fp8_gpu()) return;
   std::mt19937 rng(mr::test::test_seed());
+  for (int m : {8, 40})  // the stream GEMMs, the wgmma GEMMs
   for (bool det : {false, true}) {
-    fp8_problem p({40, 8, 2, 256, 256}, mr::dtype::bf16, {.deterministic = det, .nan_token = 5}, rng);
+    CAPTURE(m);
+    fp8_problem p({m, 8, 2, 256, 256}, mr::dtype::bf16, {.deterministic = det, .nan_token = 5}, rng);
     fp8_on_device g(p);
     const host_tensor got = g.run_once(p);
-    for (std::int64_t t = 0; t < 40; ++t) {
+    for (std::int64_t t = 0; t < m; ++t) {
       bool nan = false, finite = true;
       for (int c = 0; c < 256; ++c) {
         const float v = mr::test::element(got.view, t * 256 + c);
@@ -419,15 +452,18 @@ TEST_CASE("fp8: bad input is rejected before anything runs") {
 TEST_CASE("fp8: bad ids are counted in the status word") {
   if (!fp8_gpu()) return;
   std::mt19937 rng(mr::test::test_seed());
-  fp8_problem p({8, 8, 2, 256, 256}, mr::dtype::bf16, {}, rng);
-  p.base.ids.view.ptr<std::int32_t>()[3 * 2 + 1] = 1000;
-  fp8_on_device g(p);
-  mr::test::device_status st;
-  g.status = st.get();
-  g.run_once(p);
-  const mr::moe_status s = st.read();
-  CHECK(s.bad_slots == 1);
-  CHECK(s.first_bad_slot == 3 * 2 + 1);
+  for (int m : {8, 40}) {  // the schedule built in the stream GEMMs, the plan kernel's
+    CAPTURE(m);
+    fp8_problem p({m, 8, 2, 256, 256}, mr::dtype::bf16, {}, rng);
+    p.base.ids.view.ptr<std::int32_t>()[3 * 2 + 1] = 1000;
+    fp8_on_device g(p);
+    mr::test::device_status st;
+    g.status = st.get();
+    g.run_once(p);
+    const mr::moe_status s = st.read();
+    CHECK(s.bad_slots == 1);
+    CHECK(s.first_bad_slot == 3 * 2 + 1);
+  }
 }
 
 int main(int argc, char** argv) {

@@ -34,11 +34,17 @@ struct fp8_workspace {
   std::size_t act = 0, act_bytes = 0;          // GEMM1's e4m3 act [M*k, I]
   std::size_t act_scale = 0, act_scale_bytes = 0;  // [M*k, I / 128]
   std::size_t rows = 0, rows_bytes = 0;        // GEMM2's rows (16-bit) or f32 K-split parts
+  std::size_t act_f32 = 0, act_f32_bytes = 0;  // stream GEMM1's f32 act [M*k, I], before quantization
   std::size_t total = 0;
 };
 
 struct fp8_plan {
   std::int64_t num_tokens = 0;
+  // Decode (active experts average at most stream_max_rows_per_expert rows, as for cuda_fused):
+  // the stream GEMMs on e4m3, GEMM1 writing f32 act that a kernel of its own quantizes, the
+  // kernels chained by programmatic launches; else the wgmma GEMMs.
+  bool stream = false;
+  bool schedule_in_gemms = false;  // stream: every CTA orders the rows itself (no plan kernel)
   int schedule_block_m = fp8_block_m;
   int down_k_splits = 1;
   down_store down = down_store::accumulate;
@@ -47,13 +53,16 @@ struct fp8_plan {
   fp8_workspace workspace;
 
   std::string describe() const {
-    std::string s = "cuda_fused_fp8 M=" + std::to_string(num_tokens) + ": wgmma e4m3 m64 (schedule tiles of " +
-                    std::to_string(schedule_block_m) + " rows), GEMM2 " + std::string(down_store_name(down));
+    std::string s = "cuda_fused_fp8 M=" + std::to_string(num_tokens) + ": " +
+                    (stream ? std::string("stream e4m3") : std::string("wgmma e4m3 m64")) + " (schedule tiles of " +
+                    std::to_string(schedule_block_m) + " rows" + (schedule_in_gemms ? ", built in the GEMMs" : "") +
+                    "), GEMM2 " + std::string(down_store_name(down));
     if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
     if (combine_kernel) s += " + combine kernel";
     s += "; workspace " + std::to_string(workspace.total) + " B (x e4m3 + scales " +
          std::to_string(workspace.x_q_bytes + workspace.x_scale_bytes) + ", act e4m3 + scales " +
-         std::to_string(workspace.act_bytes + workspace.act_scale_bytes) + ", rows " +
+         std::to_string(workspace.act_bytes + workspace.act_scale_bytes) +
+         (stream ? ", f32 act " + std::to_string(workspace.act_f32_bytes) : std::string()) + ", rows " +
          std::to_string(workspace.rows_bytes) + ", plan + schedule " +
          std::to_string(workspace.plan_bytes + workspace.schedule_bytes) + ")";
     return s;
@@ -68,8 +77,14 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   p.num_tokens = num_tokens;
   const std::int64_t slots = num_tokens * cfg.top_k();
   const int e = cfg.num_local_experts();
-  const down_store store = plan_detail::store_mode(cfg, gemm_family::wgmma, slots);
-  if (!cfg.no_combine() && !cfg.batch_invariant() && num_tokens > 0) {
+  // Batch-invariant runs stay on the wgmma GEMMs at every M (the stream GEMMs' warps split K).
+  p.stream = !cfg.batch_invariant() && slots > 0 &&
+             slots <= stream_max_rows_per_expert * std::min<std::int64_t>(slots, e);
+  p.schedule_in_gemms = p.stream && slots <= local_plan_max_slots;
+  p.schedule_block_m = p.stream ? stream_gemm_fp8_policy::tuning.schedule_block_m() : fp8_block_m;
+  const down_store store =
+      plan_detail::store_mode(cfg, p.stream ? gemm_family::stream : gemm_family::wgmma, slots);
+  if (!p.stream && !cfg.no_combine() && !cfg.batch_invariant() && num_tokens > 0) {
     const std::int64_t tile_bound = std::min(moe_m_tile_capacity(slots, e, fp8_block_m), slots);
     p.down_k_splits = wgmma_down_k_splits(tile_bound, cfg.hidden_size(), cfg.intermediate_size(), dev.sm_count,
                                           fp8_down_cols, fp8_block_k, fp8_split_max_waves);
@@ -85,7 +100,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   fp8_workspace& w = p.workspace;
   w.plan_bytes = plan_piece_bytes(routing_plan_bytes(num_tokens, cfg.top_k(), e));
   w.schedule = w.plan + w.plan_bytes;
-  w.schedule_bytes = plan_piece_bytes(tile_schedule_bytes(slots, e, fp8_block_m));
+  w.schedule_bytes = plan_piece_bytes(tile_schedule_bytes(slots, e, p.schedule_block_m));
   w.x_q = w.schedule + w.schedule_bytes;
   w.x_q_bytes = plan_piece_bytes(m * h);
   w.x_scale = w.x_q + w.x_q_bytes;
@@ -97,7 +112,9 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   w.rows = w.act_scale + w.act_scale_bytes;
   if (p.down == down_store::rows) w.rows_bytes = plan_piece_bytes(r * h * 2);
   else if (p.down == down_store::partials) w.rows_bytes = plan_piece_bytes(static_cast<std::size_t>(p.down_k_splits) * r * h * 4);
-  w.total = w.rows + w.rows_bytes + plan_piece_alignment;
+  w.act_f32 = w.rows + w.rows_bytes;
+  if (p.stream) w.act_f32_bytes = plan_piece_bytes(r * inter * 4);
+  w.total = w.act_f32 + w.act_f32_bytes + plan_piece_alignment;
   return p;
 }
 

@@ -26,17 +26,19 @@
 
 namespace moerunner::gpu {
 
-// x [rows, h] (bf16 or f16, h a multiple of 128, 8-byte aligned) -> q [rows, h] e4m3 and
-// scales [rows, h / 128] f32.
+// x [rows, h] (bf16, f16 or f32, h a multiple of 128, aligned to 4 values) -> q [rows, h]
+// e4m3 and scales [rows, h / 128] f32; `dependent`: a programmatic dependent of the kernel before.
 template <class T>
-void quantize_rows_fp8(const T* x, std::int64_t rows, int h, std::uint8_t* q, float* scales, cudaStream_t stream) {
+void quantize_rows_fp8(const T* x, std::int64_t rows, int h, std::uint8_t* q, float* scales, cudaStream_t stream,
+                       bool dependent = false) {
   MOE_EXPECT(h > 0 && h % kernels::fp8_group == 0, "gpu::quantize_rows_fp8", "h must be a positive multiple of 128");
   const std::int64_t groups = rows * (h / kernels::fp8_group);
   if (groups == 0) return;
   constexpr int warps = 8;
   const std::int64_t blocks = (groups + warps - 1) / warps;
   MOE_EXPECT(blocks <= 0x7fffffff, "gpu::quantize_rows_fp8", "too many rows");
-  kernels::quantize_rows_fp8_kernel<T><<<static_cast<unsigned>(blocks), 32 * warps, 0, stream>>>(x, groups, h, q, scales);
+  launch_dependent(kernels::quantize_rows_fp8_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(32 * warps), 0,
+                   stream, dependent, x, groups, h, q, scales);
   MOE_CUDA_CHECK_LAUNCH("quantize_rows_fp8_kernel");
 }
 

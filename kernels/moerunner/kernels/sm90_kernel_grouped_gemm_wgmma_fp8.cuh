@@ -37,6 +37,7 @@
 
 #include "moerunner/gpu/fp8_plan.hpp"
 #include "moerunner/kernels/activation_math.cuh"
+#include "moerunner/kernels/kernel_fp8_gemm_params.cuh"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
 #include "moerunner/kernels/kernel_quantize_fp8.cuh"
 #include "moerunner/kernels/pdl.cuh"
@@ -44,21 +45,6 @@
 #include "moerunner/kernels/sm90_wgmma_epilogue.cuh"
 
 namespace moerunner::kernels {
-
-// T: the output's 16-bit type (GEMM2's rows and output). `g` carries the schedule, sizes, row
-// order, router weights and GEMM2's store as for the 16-bit kernels; its a, b and c are not read
-// here except GEMM2's c (the output or rows).
-template <class T>
-struct moe_gemm_fp8_params {
-  moe_gemm_params<T> g;
-  const std::uint8_t* a = nullptr;  // e4m3: GEMM1 x [M, k] (rows gathered), GEMM2 act [R, k]
-  const float* a_scale = nullptr;   // [rows of a, k / 128]
-  const float* b_scale = nullptr;   // block128: [E, b_rows_per_expert / 128, k / 128]; per_tensor:
-                                    // [E]; per_channel: [E, b_rows_per_expert]
-  fp8_weight_scaling b_scaling = fp8_weight_scaling::block128;
-  std::uint8_t* act = nullptr;      // GEMM1: e4m3 act [R, n]
-  float* act_scale = nullptr;       // GEMM1: [R, n / 128]
-};
 
 // The tile's constants (sizes from the run plan's), shared with the launch code.
 struct wgmma_fp8_shape {
