@@ -235,16 +235,19 @@ g::fp8_plan fp8_plan_of(moe_config_params p, std::int64_t m, g::device_target de
 
 }  // namespace
 
-TEST_CASE("fp8 plan: stream GEMMs at decode, else 64-row tiles with K split where items come in few waves") {
+TEST_CASE("fp8 plan: stream GEMMs at decode, pairs of CTAs above 64 rows per expert, K split where items come in few waves") {
   for (const moe_config_params& c : {mixtral(), qwen3(), deepseek()})
     for (std::int64_t m : {0, 1, 7, 64, 512, 4096, 16384}) {
       CAPTURE(c.num_experts);
       CAPTURE(m);
       const g::fp8_plan p = fp8_plan_of(c, m);
-      // Stream where the active experts average at most 4 rows, as cuda_fused decides.
+      // Stream where the active experts average at most 4 rows, as cuda_fused decides; pairs of
+      // CTAs on 128-row tiles where they average more than 64.
       const std::int64_t slots = m * c.top_k, active = std::min<std::int64_t>(slots, c.num_experts);
+      const bool pair = active > 0 && slots > 64 * active;
       CHECK(p.stream == (slots > 0 && slots <= 4 * active));
-      CHECK(p.schedule_block_m == (p.stream ? 8 : 64));
+      CHECK(p.schedule_block_m == (p.stream ? 8 : pair ? 128 : 64));
+      CHECK(p.cluster_m == (pair ? 2 : 1));
       CHECK(p.schedule_in_gemms == (p.stream && slots <= 64));
       check_fp8_layout(p, c);
       CHECK(p.describe().find("cuda_fused_fp8 M=" + std::to_string(m)) == 0);
@@ -294,7 +297,10 @@ TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
     CHECK(p.down_k_splits == 1);
     CHECK(p.down == g::down_store::rows);
     CHECK(p.combine_kernel);
+    CHECK(p.schedule_block_m == 64);  // single CTAs at every M
+    CHECK(p.cluster_m == 1);
   }
+  CHECK(fp8_plan_of(deepseek(), 4096).schedule_block_m == 128);
   moe_config_params nc = mixtral();
   nc.no_combine = true;
   const g::fp8_plan s = fp8_plan_of(nc, 5);

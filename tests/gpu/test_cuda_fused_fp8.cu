@@ -233,6 +233,24 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     worst = std::max(worst, check_case(sh, bf16, {.deterministic = true}, rng));
     worst = std::max(worst, check_case(sh, bf16, {.inplace = true, .deterministic = true}, rng));
   }
+  SUBCASE("pairs of CTAs on 128-row tiles (more than 64 rows per expert)") {
+    const shape sh{600, 8, 2, 256, 256};
+    CHECK(mr::gpu::make_fp8_plan(mr::MoeRunnerConfig({.num_experts = 8, .hidden_size = 256, .intermediate_size = 256,
+                                                      .top_k = 2}),
+                                 600, mr::gpu::device_target_of(mr::gpu::current_device_facts()))
+              .schedule_block_m == 128);
+    worst = std::max(worst, check_case(sh, bf16, {}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.ids = ids_kind::skewed}, rng));  // CTAs of a pair with no rows
+    worst = std::max(worst, check_case(sh, bf16, {.interleaved = true}, rng));
+    worst = std::max(worst, check_case({600, 8, 2, 384, 384}, bf16, {.gated = false}, rng));  // H, I % 256 = 128
+    worst = std::max(worst, check_case({600, 8, 2, 384, 256}, bf16, {.act = mr::activation_kind::swiglu_clamped}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.ids = ids_kind::random_filtered, .no_combine = true}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.deterministic = true}, rng));
+    worst = std::max(worst, check_case({600, 8, 1, 256, 256}, bf16, {.weight_on_input = true}, rng));
+    worst = std::max(worst, check_case(sh, mr::dtype::f16, {.inplace = true}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {}, rng, true));
+    worst = std::max(worst, check_case({700, 8, 2, 1024, 1536}, bf16, {}, rng));  // per-token bound applies
+  }
   SUBCASE("wgmma with GEMM2's K split, both combines") {
     // Few items over the SMs (8 experts of 16 rows): the plan splits GEMM2's K (reductions into
     // the output, or f32 parts that combine sums in split order).

@@ -17,9 +17,15 @@
 namespace moerunner::gpu {
 
 // The fp8 GEMMs' tile (kernels::wgmma_fp8_shape reads these): 64 rows, 256 B rows (GEMM2: 256
-// output columns), K tiles of one scale block.
+// output columns), K tiles of one scale block; alone, or in pairs of CTAs on a 128-row schedule
+// tile that share each weight tile by TMA multicast.
 inline constexpr int fp8_group_size = fp8_block_quant_info::group;
 inline constexpr int fp8_block_m = 64, fp8_down_cols = 256, fp8_block_k = fp8_group_size;
+// Pairs where the active experts average more than 64 rows: below that most of a pair's second
+// CTA would idle, above it the single CTAs' L2 traffic (40 KB per 2 M MAC against 24 with the
+// weight tile shared) bounds the prefill cells (bench/NOTES.md, round 11).
+inline constexpr int fp8_large_block_m = 128;
+inline constexpr std::int64_t fp8_large_tile_min_rows = 64;
 // GEMM2 splits K only where its items come in at most two waves: 64-row tiles make many items
 // at mid sizes (Mixtral-8x7B at 512 tokens: 384, which four waves would split 11 ways, 11x the
 // output's reductions, for a 3% shorter last wave).
@@ -44,8 +50,9 @@ struct fp8_plan {
   // the stream GEMMs on e4m3, GEMM1 writing f32 act that a kernel of its own quantizes, the
   // kernels chained by programmatic launches; else the wgmma GEMMs.
   bool stream = false;
-  bool schedule_in_gemms = false;  // stream: every CTA orders the rows itself (no plan kernel)
-  int schedule_block_m = fp8_block_m;
+  bool schedule_in_gemms = false;      // stream: every CTA orders the rows itself (no plan kernel)
+  int schedule_block_m = fp8_block_m;  // stream: 8; wgmma: 64, or 128 for a pair of CTAs
+  int cluster_m = 1;                   // wgmma CTAs on one schedule tile
   int down_k_splits = 1;
   down_store down = down_store::accumulate;
   bool combine_kernel = false;  // a combine kernel sums GEMM2's rows or parts per token afterwards
@@ -54,9 +61,10 @@ struct fp8_plan {
 
   std::string describe() const {
     std::string s = "cuda_fused_fp8 M=" + std::to_string(num_tokens) + ": " +
-                    (stream ? std::string("stream e4m3") : std::string("wgmma e4m3 m64")) + " (schedule tiles of " +
-                    std::to_string(schedule_block_m) + " rows" + (schedule_in_gemms ? ", built in the GEMMs" : "") +
-                    "), GEMM2 " + std::string(down_store_name(down));
+                    (stream ? std::string("stream e4m3")
+                            : "wgmma e4m3 m64" + (cluster_m > 1 ? "x" + std::to_string(cluster_m) : std::string())) +
+                    " (schedule tiles of " + std::to_string(schedule_block_m) + " rows" +
+                    (schedule_in_gemms ? ", built in the GEMMs" : "") + "), GEMM2 " + std::string(down_store_name(down));
     if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
     if (combine_kernel) s += " + combine kernel";
     s += "; workspace " + std::to_string(workspace.total) + " B (x e4m3 + scales " +
@@ -77,17 +85,23 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   p.num_tokens = num_tokens;
   const std::int64_t slots = num_tokens * cfg.top_k();
   const int e = cfg.num_local_experts();
-  // Batch-invariant runs stay on the wgmma GEMMs at every M (the stream GEMMs' warps split K).
-  p.stream = !cfg.batch_invariant() && slots > 0 &&
-             slots <= stream_max_rows_per_expert * std::min<std::int64_t>(slots, e);
+  // Batch-invariant runs stay on single wgmma CTAs at every M (the stream GEMMs' warps split K;
+  // a pair sums alike, but one kernel is what the mode promises).
+  const std::int64_t active = std::min<std::int64_t>(e, slots);
+  p.stream = !cfg.batch_invariant() && slots > 0 && slots <= stream_max_rows_per_expert * active;
   p.schedule_in_gemms = p.stream && slots <= local_plan_max_slots;
-  p.schedule_block_m = p.stream ? stream_gemm_fp8_policy::tuning.schedule_block_m() : fp8_block_m;
+  if (p.stream) {
+    p.schedule_block_m = stream_gemm_fp8_policy::tuning.schedule_block_m();
+  } else if (!cfg.batch_invariant() && active > 0 && slots > fp8_large_tile_min_rows * active) {
+    p.schedule_block_m = fp8_large_block_m;
+    p.cluster_m = fp8_large_block_m / fp8_block_m;
+  }
   const down_store store =
       plan_detail::store_mode(cfg, p.stream ? gemm_family::stream : gemm_family::wgmma, slots);
   if (!p.stream && !cfg.no_combine() && !cfg.batch_invariant() && num_tokens > 0) {
-    const std::int64_t tile_bound = std::min(moe_m_tile_capacity(slots, e, fp8_block_m), slots);
-    p.down_k_splits = wgmma_down_k_splits(tile_bound, cfg.hidden_size(), cfg.intermediate_size(), dev.sm_count,
-                                          fp8_down_cols, fp8_block_k, fp8_split_max_waves);
+    const std::int64_t tile_bound = std::min(moe_m_tile_capacity(slots, e, p.schedule_block_m), slots);
+    p.down_k_splits = wgmma_down_k_splits(tile_bound, cfg.hidden_size(), cfg.intermediate_size(),
+                                          dev.sm_count / p.cluster_m, fp8_down_cols, fp8_block_k, fp8_split_max_waves);
   }
   p.down = store == down_store::rows && p.down_k_splits > 1 ? down_store::partials : store;
   p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;

@@ -48,6 +48,7 @@
 #include "moerunner/kernels/activation_math.cuh"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
 #include "moerunner/kernels/pdl.cuh"
+#include "moerunner/kernels/sm90_cluster_tiles.cuh"
 #include "moerunner/kernels/sm90_ptx.cuh"
 #include "moerunner/kernels/sm90_wgmma_epilogue.cuh"
 
@@ -91,33 +92,9 @@ struct moe_gemm_wgmma {
     std::uint64_t empty[stages];
   };
 
-  // The CTA's place in its cluster and the cluster's in the grid; work items go to clusters.
-  struct cta_place {
-    int rank;      // in the cluster
-    int first;     // first work item: the cluster's index
-    int stride;    // clusters in the grid
-  };
-
-  __device__ __forceinline__ static cta_place place() {
-    if constexpr (cluster == 1) {
-      return {0, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
-    } else {
-      // Clusters span consecutive CTAs along x, rank = blockIdx.x % cluster.
-      return {static_cast<int>(cuda::ptx::get_sreg_cluster_ctarank()), static_cast<int>(blockIdx.x) / cluster,
-              static_cast<int>(gridDim.x) / cluster};
-    }
-  }
-
-  // This CTA's rows of schedule tile t: all of them, or in a cluster its block_m-row part
-  // (possibly none: row_begin == row_end).
+  __device__ __forceinline__ static cta_place place() { return cluster_place<cluster>(); }
   __device__ __forceinline__ static gpu::moe_m_tile cta_rows(const gpu::moe_m_tile& t, int rank) {
-    if constexpr (cluster == 1) {
-      return t;
-    } else {
-      const int begin = t.row_end - t.row_begin > rank * bm ? t.row_begin + rank * bm : t.row_end;
-      const int end = t.row_end - begin > bm ? begin + bm : t.row_end;
-      return {t.expert, begin, end, 0};
-    }
+    return cluster_cta_rows<cluster, bm>(t, rank);
   }
 
   // The tile's bn B rows as two boxes of the 4D tensor map (weight_tensor_map): for gate_up the

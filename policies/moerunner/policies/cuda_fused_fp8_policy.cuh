@@ -3,7 +3,8 @@
 // scale per expert matrix (fp8_tensor_quant_info) or per output channel (fp8_channel_quant_info).
 //
 // Pipeline, all on the caller's stream, nothing on the host in between (CUDA-graph capturable):
-//   routing plan and M-tile schedule (the plan kernel, as cuda_fused)
+//   routing plan and M-tile schedule (the plan kernel, as cuda_fused): tiles of 64 rows, or of
+//      128 for pairs of CTAs sharing each weight tile where experts average more than 64 rows
 //   -> the input rows quantized per token in groups of 128 into the workspace (e4m3 + an f32
 //      scale per group), unless hidden_states come as e4m3 with hidden_scales
 //   -> GEMM1: e4m3 x rows gathered inside the load, times w13[e]^T on fp8 wgmma, each 128-K
@@ -247,10 +248,15 @@ class cuda_fused_fp8_policy {
     } else {
       const std::uint8_t* w13 = q.w13;
       const std::uint8_t* w2 = q.w2;
-      if (cfg_.is_gated())
-        gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up>(g1, w13, experts, schedule, dev, stream);
-      else gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only>(g1, w13, experts, schedule, dev, stream);
-      gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down>(g2, w2, experts, schedule, dev, stream);
+      const auto gemms = [&]<int Cluster>() {
+        if (cfg_.is_gated())
+          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up, Cluster>(g1, w13, experts, schedule, dev, stream);
+        else
+          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster>(g1, w13, experts, schedule, dev, stream);
+        gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster>(g2, w2, experts, schedule, dev, stream);
+      };
+      if (pl.cluster_m == 2) gemms.template operator()<2>();
+      else gemms.template operator()<1>();
     }
     gpu::combine_down(g2.g, plan, row_weights, scale, out, stream, dependent);
   }
