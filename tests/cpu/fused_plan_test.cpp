@@ -33,8 +33,15 @@ void check_layout(const g::fused_plan& p, const moe_config_params& c) {
   CHECK(w.schedule == w.plan + w.plan_bytes);
   CHECK(w.act == w.schedule + w.schedule_bytes);
   CHECK(w.rows == w.act + w.act_bytes);
-  CHECK(w.total == w.rows + w.rows_bytes + g::plan_piece_alignment);
-  for (std::size_t off : {w.schedule, w.act, w.rows}) CHECK(off % g::plan_piece_alignment == 0);
+  CHECK(w.gathered == w.rows + w.rows_bytes);
+  CHECK(w.total == w.gathered + w.gathered_bytes + g::plan_piece_alignment);
+  for (std::size_t off : {w.schedule, w.act, w.rows, w.gathered}) CHECK(off % g::plan_piece_alignment == 0);
+  // x's rows gathered for GEMM1's TMA loads with the 128-row wgmma tiles only (prefill).
+  const bool large =
+      p.family == g::gemm_family::wgmma && (p.tile == g::sm90_tile::m128 || p.tile == g::sm90_tile::m128x2);
+  CHECK(p.gather_a == (large && p.num_tokens > 0));
+  if (p.gather_a) CHECK(w.gathered_bytes >= slots * static_cast<std::size_t>(c.hidden_size) * 2);
+  else CHECK(w.gathered_bytes == 0);
   CHECK(w.act_bytes >= slots * static_cast<std::size_t>(c.intermediate_size) * 2);
   const std::size_t row_elems = slots * static_cast<std::size_t>(c.hidden_size);
   switch (p.down) {
@@ -70,8 +77,14 @@ TEST_CASE("default runs: stream GEMMs with the schedule built in them at decode,
   CHECK(big.down_k_splits == 1);
   CHECK_FALSE(big.dependent_launch);
   check_layout(big, mixtral());
+  CHECK(big.gather_a);
   const std::string line = big.describe();
   CHECK(line.find("wgmma m128x2") != std::string::npos);
+  CHECK(line.find("A gathered for TMA") != std::string::npos);
+  // Forced either way (the setting only measures it); never on the other families.
+  CHECK_FALSE(plan_of(mixtral(), 4096, h200, {.gather_a = false}).gather_a);
+  CHECK(plan_of(mixtral(), 64, h200, {.gather_a = true}).gather_a);
+  CHECK_FALSE(plan_of(qwen3(), 1, h200, {.gather_a = true}).gather_a);
   CHECK(line.find("M=4096") != std::string::npos);
   CHECK(line.find(std::to_string(big.workspace.total)) != std::string::npos);
 }

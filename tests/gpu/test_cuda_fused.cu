@@ -56,6 +56,7 @@ struct launch_settings {
   std::optional<bool> dependent_launch = std::nullopt;
   bool plan_in_gemms = true;
   std::optional<mr::gpu::stream_l2_use> stream_l2 = std::nullopt;  // stream GEMMs (unset: the policy's)
+  std::optional<bool> gather_a = std::nullopt;  // wgmma GEMM1's A by TMA from gathered rows (unset: the plan's)
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -77,6 +78,7 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
         if (ls.dependent_launch) core.set_dependent_launch(*ls.dependent_launch);
         core.set_plan_in_gemms(ls.plan_in_gemms);
         if (ls.stream_l2) core.set_stream_l2(*ls.stream_l2);
+        if (ls.gather_a) core.set_gather_a(*ls.gather_a);
       }
     });
     size_workspace(p, ws_misalign);  // the K splits, and so the size, follow the tuning
@@ -359,6 +361,39 @@ TEST_CASE("cuda_fused with the stream GEMMs: L2 prefetch of GEMM2's weights and 
       // Atomic combine: every hint at once.
       on_device fast(p, tuning::stream, false, 0,
                      {.stream_l2 = mr::gpu::stream_l2_use{.prefetch_bytes = -1, .fetch_256_min_k_tiles = 0}});
+      compare(p, fast.run_once(p));
+    }
+}
+
+TEST_CASE("cuda_fused with the wgmma tiles: GEMM1's A by TMA from gathered rows or by cp.async, the same bits") {
+  // The same A rows reach the same wgmma either way (rows past a tile differ: zeros or the next
+  // tile's rows, whose results are never stored), so deterministic outputs keep their bits.
+  if (!mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts())) return;
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  const std::pair<shape, options> cases[] = {
+      {{300, 8, 2, odd_h, odd_i}, {}},                                // K not a multiple of the box
+      {{700, 8, 2, 512, 256}, {.ids = ids_kind::skewed}},             // pairs with empty halves
+      {{257, 4, 1, 256, 128}, {.weight_on_input = true}},             // rows carry the weights
+      {{200, 16, 4, 256, 256}, {.ids = ids_kind::random_filtered}},   // fewer rows than slots
+      {{130, 8, 2, 256, 256}, {.ids = ids_kind::one_expert, .interleaved = true}},
+      {{64, 8, 2, 256, 256}, {.gated = false, .inplace = true}},
+  };
+  const tuning wgmma_tiles[] = {tuning::sm90_wgmma_m64, tuning::sm90_wgmma_m64n128, tuning::sm90_wgmma_m128,
+                                tuning::sm90_wgmma_m128x2};
+  for (const auto& [sh, opt] : cases)
+    for (tuning tu : wgmma_tiles) {
+      const problem p(sh, mr::dtype::bf16, opt, rng);
+      CAPTURE(describe(sh, mr::dtype::bf16, opt, tu, true));
+      on_device copies(p, tu, true, 0, {.gather_a = false});
+      const host_tensor want = copies.run_once(p);
+      compare(p, want);
+      on_device tma(p, tu, true, 0, {.gather_a = true});
+      MOE_CUDA_CHECK(cudaMemset(tma.ws_buf.get(), 0xff, tma.ws_buf.bytes()));  // NaN past the gathered rows
+      const host_tensor got = tma.run_once(p);
+      CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);
+      on_device fast(p, tu, false, 0, {.gather_a = true});
       compare(p, fast.run_once(p));
     }
 }
