@@ -95,10 +95,13 @@
 #include "moerunner/policies/cublas_grouped_policy.cuh"
 #include "moerunner/policies/cuda_fused_fp8_policy.cuh"
 #include "moerunner/policies/cuda_fused_policy.cuh"
+#include "bench_util.hpp"
 
 namespace mr = moerunner;
 
 namespace {
+
+using namespace bench_util;
 
 // The GPU backends under test: a compile-time list, each picked by name through MoeRunner.
 using bench_runner = mr::MoeRunner<mr::cuda_fused_policy, mr::cublas_grouped_policy, mr::cuda_fused_fp8_policy>;
@@ -276,37 +279,6 @@ __global__ void read_bandwidth_kernel(const int4* __restrict__ p, std::size_t n,
 
 // ---------------------------------------------------------------- timing
 
-class event_pair {
- public:
-  event_pair() {
-    MOE_CUDA_CHECK(cudaEventCreate(&a_));
-    MOE_CUDA_CHECK(cudaEventCreate(&b_));
-  }
-  event_pair(const event_pair&) = delete;
-  event_pair& operator=(const event_pair&) = delete;
-  ~event_pair() {
-    cudaEventDestroy(a_);
-    cudaEventDestroy(b_);
-  }
-  void start(cudaStream_t s) { MOE_CUDA_CHECK(cudaEventRecord(a_, s)); }
-  float stop_ms(cudaStream_t s) {
-    MOE_CUDA_CHECK(cudaEventRecord(b_, s));
-    MOE_CUDA_CHECK(cudaEventSynchronize(b_));
-    float ms = 0.0f;
-    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, a_, b_));
-    return ms;
-  }
-
- private:
-  cudaEvent_t a_ = nullptr, b_ = nullptr;
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 constexpr double warmup_ms = 25.0;  // launches before timing starts
 
 // Median per-launch time of launch(j), j = 0, 1, 2, ...: batches of launches long enough
@@ -337,39 +309,6 @@ double median_launch_ms(cudaStream_t s, F&& launch) {
   return median(samples);
 }
 
-class graph_exec {
- public:
-  graph_exec() = default;
-  graph_exec(const graph_exec&) = delete;
-  graph_exec& operator=(const graph_exec&) = delete;
-  graph_exec(graph_exec&& o) noexcept : exec_(std::exchange(o.exec_, nullptr)) {}
-  ~graph_exec() {
-    if (exec_) cudaGraphExecDestroy(exec_);
-  }
-  // Captures f(stream) into a graph; a throw inside f ends the capture before it propagates.
-  template <class F>
-  static graph_exec capture(cudaStream_t s, F&& f) {
-    MOE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    cudaGraph_t g = nullptr;
-    try {
-      f(s);
-    } catch (...) {
-      cudaStreamEndCapture(s, &g);
-      if (g) cudaGraphDestroy(g);
-      throw;
-    }
-    MOE_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-    graph_exec out;
-    const cudaError_t inst = cudaGraphInstantiate(&out.exec_, g, 0);
-    cudaGraphDestroy(g);
-    MOE_CUDA_CHECK(inst);
-    return out;
-  }
-  void launch(cudaStream_t s) const { MOE_CUDA_CHECK(cudaGraphLaunch(exec_, s)); }
-
- private:
-  cudaGraphExec_t exec_ = nullptr;
-};
 
 // ---------------------------------------------------------------- ceilings
 
@@ -662,38 +601,6 @@ reference_rows cpu_reference(const shape_desc& sh, const routing_set& r, const s
 
 // ---------------------------------------------------------------- output
 
-std::string json_number(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.6g", v);
-  return buf;
-}
-
-std::string json_string(std::string_view s) {
-  std::string o = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') o += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) continue;
-    o += c;
-  }
-  return o + "\"";
-}
-
-std::string utc_now() {
-  const std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
-}
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
 struct cell_result {
   std::string backend;
   bool ok = false;
@@ -808,13 +715,7 @@ options parse_args(int argc, char** argv) {
   options o;
   for (int a = 1; a < argc; ++a) {
     const std::string arg = argv[a];
-    const auto value = [&]() -> std::string {
-      if (a + 1 >= argc) {
-        std::fprintf(stderr, "moe_bench: %s needs a value\n", arg.c_str());
-        std::exit(2);
-      }
-      return argv[++a];
-    };
+    const auto value = [&] { return option_value(a, argc, argv, "moe_bench"); };
     if (arg == "--out") o.out_path = value();
     else if (arg == "--commit") o.commit = value();
     else if (arg == "--shapes") o.shapes = split(value());

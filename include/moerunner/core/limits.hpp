@@ -14,6 +14,9 @@ inline constexpr int max_feature_size = 1 << 20;  // hidden and intermediate siz
 // The GPU backends (cuda_fused, cublas_grouped): the routing plan's tiling fixes its scratch size.
 inline constexpr int max_gpu_local_experts = 1024;  // one expert per thread of the plan's offset scan
 
+// Expert parallelism on the GPU (ep_nccl_dispatcher): its kernels keep one offset per rank in shared memory.
+inline constexpr int max_ep_world_size = 64;  // 8x the largest expert-parallel group within a node in use (8)
+
 // Tensors and names.
 inline constexpr int max_tensor_rank = 4;                 // the widest argument is [M, k, H] (no_combine) plus one
 inline constexpr std::size_t max_backend_name_length = 63;  // a backend_id holds its name inline, in 64 bytes with its length

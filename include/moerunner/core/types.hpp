@@ -28,6 +28,18 @@ struct moe_status {
   std::int32_t first_bad_slot = 0;
 };
 
+// What expert-parallel dispatch in low-latency mode found on the device (ep_nccl_dispatcher), in
+// caller-owned device memory, zeroed by the caller like moe_status. Its buffers hold `capacity`
+// rows per (source, destination) pair; a row that does not fit is left out, never written past
+// the buffer: its token then lacks that destination's experts in the output.
+struct ep_status {
+  // (token, destination) rows left out because a buffer was full; saturates at INT32_MAX.
+  std::int32_t dropped_rows = 0;
+  // The most rows one (source, destination) pair needed in a run since the zeroing: a capacity
+  // at least this large drops nothing.
+  std::int32_t needed_capacity = 0;
+};
+
 // What a dispatcher hands a runner core: the (local) tokens and their routing.
 struct DispatchOutput {
   tensor_view hidden_states;  // [M, H]
