@@ -110,12 +110,12 @@ class runner {
     }
     if (w13_scale || w2_scale) {
       MOE_EXPECT(!b13 && !b2, where, "b13 and b2 go with unquantized weights; fp8 weights take no biases");
-      const auto fp8 = [&]<class Q>(std::type_identity<Q>) {
-        call(d, Q{views(w13, "w13"), views(w13_scale, "w13_scale"), views(w2, "w2"), views(w2_scale, "w2_scale")},
-             out_view, ws, stream, views.device());
-      };
       // The scales' rank names the format: [E, row blocks, column blocks], [E, rows] or [E].
       const tensor_view s13 = views(w13_scale, "w13_scale");
+      const auto fp8 = [&]<class Q>(std::type_identity<Q>) {
+        call(d, Q{views(w13, "w13"), s13, views(w2, "w2"), views(w2_scale, "w2_scale")}, out_view, ws, stream,
+             views.device());
+      };
       switch (s13.rank) {
         case 3: fp8(std::type_identity<fp8_block_quant_info>{}); break;
         case 2: fp8(std::type_identity<fp8_channel_quant_info>{}); break;

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "moerunner/core/types.hpp"
+#include "moerunner/kernels/atomic_saturating.cuh"
 
 namespace moerunner::kernels {
 
@@ -24,15 +25,7 @@ __device__ __forceinline__ bool bad_expert_id(int id, int num_experts) {
 // the count (saturating), and names `first` when the count was zero before (the status was
 // clean), so first_bad_slot belongs to the earliest run since the caller zeroed it.
 __device__ inline void report_bad_slots(moe_status* status, int count, int first) {
-  int before = 0;  // a guess; the CAS returns the true value when it is wrong
-  for (;;) {
-    const long long sum = static_cast<long long>(before) + count;
-    const int after = sum > INT_MAX ? INT_MAX : static_cast<int>(sum);
-    const int seen = atomicCAS(&status->bad_slots, before, after);
-    if (seen == before) break;
-    before = seen;
-  }
-  if (before == 0) status->first_bad_slot = first;
+  if (atomic_add_saturating(&status->bad_slots, count) == 0) status->first_bad_slot = first;
 }
 
 // The block's count of bad slots and the lowest of them, in shared memory.

@@ -8,13 +8,13 @@
 #error "moerunner/kernels/kernel_ep.cuh needs nvcc: include it from a .cu file"
 #endif
 
-#include <climits>
 #include <cstdint>
 
 #include "moerunner/core/limits.hpp"
 #include "moerunner/core/types.hpp"
 #include "moerunner/dispatch/ep_layout.hpp"
 #include "moerunner/dispatch/ep_rules.hpp"
+#include "moerunner/kernels/atomic_saturating.cuh"
 #include "moerunner/kernels/vector_io.cuh"
 
 namespace moerunner::kernels {
@@ -60,18 +60,6 @@ __global__ void __launch_bounds__(THREADS)
   if (threadIdx.x == 0) send_counts[d] = running;
 }
 
-// *word += value, saturating at INT_MAX (value >= 0).
-__device__ inline void add_saturating(std::int32_t* word, std::int64_t value) {
-  std::int32_t before = 0;  // a guess; the CAS returns the true value when it is wrong
-  for (;;) {
-    const std::int64_t sum = static_cast<std::int64_t>(before) + value;
-    const std::int32_t after = sum > INT_MAX ? INT_MAX : static_cast<std::int32_t>(sum);
-    const std::int32_t seen = atomicCAS(reinterpret_cast<int*>(word), before, after);
-    if (seen == before) return;
-    before = seen;
-  }
-}
-
 // Every thread of the block: base[p] (ep_peer_bases) and the rows kept of each peer, in
 // shared memory.
 __device__ inline void load_peer_bases(const std::int64_t* counts, int peers, std::int64_t fixed_stride,
@@ -104,7 +92,7 @@ __global__ void ep_pack_kernel(const UNIT* __restrict__ x, const std::int32_t* _
     if (status != nullptr && fixed_stride > 0 && i == 0 && chunk == 0 && threadIdx.x == 0) {
       const std::int64_t wanted = send_counts[d];
       atomicMax(&status->needed_capacity, static_cast<int>(wanted));
-      if (wanted > fixed_stride) add_saturating(&status->dropped_rows, wanted - fixed_stride);
+      if (wanted > fixed_stride) atomic_add_saturating(&status->dropped_rows, wanted - fixed_stride);
     }
     if (i >= kept[d]) continue;
     const std::int64_t t = send_token[d * token_stride + i];
