@@ -7,6 +7,7 @@
 #error "moerunner/gpu/stream_gemm.cuh needs nvcc: include it from a .cu file"
 #endif
 
+#include <cstdint>
 #include <string>
 
 #include <cuda_runtime_api.h>
@@ -43,11 +44,13 @@ struct stream_l2_use {
   friend constexpr bool operator==(const stream_l2_use&, const stream_l2_use&) = default;
 };
 
-// Whether a stream GEMM of reduction length k fetches its weights 256 bytes at a time.
+// Whether a stream GEMM of reduction length k (elements of elem_bytes: 2, or 1 for e4m3)
+// fetches its weights 256 bytes at a time; its K tiles are 128-byte stage rows.
 template <class Policy>
-constexpr bool stream_fetch_256(const stream_l2_use& use, int k) {
-  constexpr int warps = Policy::tuning.warps, bk = 64;
-  return (k + bk - 1) / bk / warps >= use.fetch_256_min_k_tiles;
+constexpr bool stream_fetch_256(const stream_l2_use& use, int k, int elem_bytes = 2) {
+  constexpr int warps = Policy::tuning.warps, row_bytes = 128;
+  const std::int64_t k_bytes = static_cast<std::int64_t>(k) * elem_bytes;
+  return (k_bytes + row_bytes - 1) / row_bytes / warps >= use.fetch_256_min_k_tiles;
 }
 // By default: Mixtral-8x7B's GEMM1 (K = 4096, 16 tiles per warp) and DeepSeek-V3's (7168) fetch
 // 256 bytes; Qwen3-30B-A3B's (2048) and every GEMM2 of K = I <= 2048 do not.

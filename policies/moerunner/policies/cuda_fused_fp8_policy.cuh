@@ -278,10 +278,9 @@ class cuda_fused_fp8_policy {
     // As cuda_fused's stream GEMMs by default (gpu::stream_l2_use): weight copies evict-first,
     // 256-byte fetches where a warp walks 16 or more 128-byte K tiles.
     const gpu::stream_l2_use l2{};
-    const auto fetch_256 = [&](int k) { return k / 128 / policy::tuning.warps >= l2.fetch_256_min_k_tiles; };
     g1.g.weights_evict_first = g2.g.weights_evict_first = l2.evict_first;
-    g1.g.weights_fetch_256 = fetch_256(g1.g.k);
-    g2.g.weights_fetch_256 = fetch_256(g2.g.k);
+    g1.g.weights_fetch_256 = gpu::stream_fetch_256<policy>(l2, g1.g.k, 1);
+    g2.g.weights_fetch_256 = gpu::stream_fetch_256<policy>(l2, g2.g.k, 1);
     if (cfg_.is_gated())
       gpu::launch_moe_stream_gemm<T, policy, moe_gemm_kind::gate_up, true>(g1, schedule, dev, stream, true);
     else gpu::launch_moe_stream_gemm<T, policy, moe_gemm_kind::up_only, true>(g1, schedule, dev, stream, true);
