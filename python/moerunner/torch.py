@@ -57,7 +57,9 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 def _fused_moe(runner_handle: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
                hidden_scales: Optional[torch.Tensor], w13_scale: Optional[torch.Tensor],
-               w2_scale: Optional[torch.Tensor], status: Optional[torch.Tensor] = None) -> torch.Tensor:
+               w2_scale: Optional[torch.Tensor], status: Optional[torch.Tensor]) -> torch.Tensor:
+    # status has no default: the dispatcher drops trailing arguments equal to their defaults
+    # before the op's mutation bookkeeping indexes them by schema position.
     runner = _runners[runner_handle]
     out = torch.empty(_out_shape(runner, x), dtype=_out_dtype(x), device=x.device)
     nbytes = runner.workspace_bytes(x.shape[0])
@@ -68,7 +70,7 @@ def _fused_moe(runner_handle: int, x: torch.Tensor, topk_ids: torch.Tensor, topk
 
 
 @_fused_moe.register_fake
-def _(runner_handle, x, topk_ids, topk_weights, w13, w2, b13, b2, hidden_scales, w13_scale, w2_scale, status=None):
+def _(runner_handle, x, topk_ids, topk_weights, w13, w2, b13, b2, hidden_scales, w13_scale, w2_scale, status):
     # status is only added to in place: its shape and dtype are the caller's, nothing to build.
     return x.new_empty(_out_shape(_runners[runner_handle], x), dtype=_out_dtype(x))
 

@@ -93,12 +93,7 @@ class runner {
     d.topk.topk_weights = views(topk_weights, "topk_weights");
     const tensor_view out_view = views(out, "output");
     workspace_view ws;
-    if (workspace) {
-      const tensor_view w = views(*workspace, "workspace");
-      check::space(w, space, where, "workspace");
-      check::contiguous(w, where, "workspace");
-      ws = {w.data, w.bytes()};
-    }
+    if (workspace) ws = views.bytes(*workspace, space, "workspace");  // bytes: any dtype, uint8 as a rule
     if (status) {
       const tensor_view s = views(*status, "status");
       check::type(s, dtype::i32, where, "status");

@@ -70,6 +70,28 @@ class tensor_args {
     return a ? (*this)(*a, what) : tensor_view{};
   }
 
+  // A byte buffer (the workspace): any dtype, dense and row-major, in `expected` memory; its
+  // pointer and size in bytes.
+  workspace_view bytes(const nb::ndarray<>& a, memory_space expected, const char* what) {
+    const memory_space space = space_of(a, what);
+    MOE_EXPECT(space == expected, where_,
+               std::string(what) + " must live in " + std::string(memory_space_name(expected)) + " memory, got " +
+                   std::string(memory_space_name(space)));
+    std::size_t n = 1;
+    std::int64_t dense_stride = 1;
+    bool dense = true;
+    for (int d = static_cast<int>(a.ndim()) - 1; d >= 0; --d) {
+      dense = dense && (a.shape(d) <= 1 || a.stride(d) == dense_stride);
+      dense_stride *= static_cast<std::int64_t>(a.shape(d));
+      n *= a.shape(d);
+    }
+    MOE_EXPECT(dense || n == 0, where_, std::string(what) + " must be contiguous (row-major)");
+    const nb::dlpack::dtype t = a.dtype();
+    const std::size_t bits = static_cast<std::size_t>(t.bits) * t.lanes;
+    MOE_EXPECT(bits % 8 == 0, where_, std::string(what) + " has dtype " + dlpack_dtype_name(t) + ", not whole bytes");
+    return {const_cast<void*>(a.data()), n * (bits / 8)};
+  }
+
   // The CUDA device of the device tensors, -1 when every tensor is on the host.
   int device() const { return device_; }
 

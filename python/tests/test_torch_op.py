@@ -36,7 +36,7 @@ def test_opcheck():
     runner = moerunner.MoeRunner("reference", num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
     topk_weights, ids = mt.topk(x @ router.T, top_k=K)
     torch.library.opcheck(torch.ops.moerunner.fused_moe.default,
-                          (mt.handle(runner), x, ids, topk_weights, w13, w2, None, None, None, None, None))
+                          (mt.handle(runner), x, ids, topk_weights, w13, w2, None, None, None, None, None, None))
     status = torch.zeros(2, dtype=torch.int32)  # declared mutated: opcheck runs it through functionalization
     torch.library.opcheck(torch.ops.moerunner.fused_moe.default,
                           (mt.handle(runner), x, ids, topk_weights, w13, w2, None, None, None, None, None, status))

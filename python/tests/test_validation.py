@@ -109,6 +109,7 @@ def strided(a):
      "MoeRunner::run: w13 must be f8_e4m3, got f32"),
     (dict(w13_scale=np.zeros((E,), np.float32), w2_scale=np.zeros((E, H), np.float32)),
      "MoeRunner::run: w13 must be f8_e4m3, got f32"),
+    (dict(workspace=strided(np.zeros(64, np.uint8))), "MoeRunner::run: workspace must be contiguous (row-major)"),
 ])
 def test_run(change, message):
     runner = moerunner.MoeRunner("reference", **BASE)
@@ -122,6 +123,18 @@ def test_run(change, message):
     assert type(info.value) is moerunner.InvalidArgumentError
     if out is not None:
         np.testing.assert_array_equal(out, before)  # a rejected call writes nothing
+
+
+@pytest.mark.parametrize("workspace", [np.zeros(64, np.uint8), np.zeros((4, 4), np.float64), np.zeros(0, np.int8)])
+def test_workspace_is_bytes_of_any_dtype(workspace):
+    """The workspace is a byte buffer: uint8 as a rule (what torch.empty(n, dtype=torch.uint8) gives),
+    any dense dtype taken by its size in bytes."""
+    a = args()
+    out = np.zeros((M, H), np.float32)
+    moerunner.MoeRunner("reference", **BASE).run(**a, out=out, workspace=workspace)
+    expected = np.zeros((M, H), np.float32)
+    moerunner.MoeRunner("reference", **BASE).run(**a, out=expected)
+    np.testing.assert_array_equal(out, expected)
 
 
 def test_output_overlapping_the_input():
