@@ -99,6 +99,7 @@ void launch_moe_stream_gemm(typename kernels::moe_stream_gemm<T, Policy, Kind, F
     MOE_EXPECT(Kind == kernels::moe_gemm_kind::down || pp.act_f32 != nullptr, where,
                "the fp8 GEMM1 writes f32 act: act_f32 must be set");
     MOE_EXPECT(p.next.b == nullptr, where, "the fp8 GEMMs ask L2 for nothing ahead");
+    MOE_EXPECT(!p.weights_evict_first, where, "the fp8 GEMMs' weight copies carry no L2 policy (see tile_t::l2_policy)");
   }
   MOE_EXPECT(p.local_ids != nullptr || (schedule.tiles != nullptr && schedule.count != nullptr), where,
              "the tile schedule is not built, and the GEMM is not asked to build its own");

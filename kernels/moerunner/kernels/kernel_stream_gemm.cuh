@@ -64,6 +64,11 @@ struct moe_stream_gemm {
   // copies of `chunk` values; every mma takes 32 bytes of each row (k16 16-bit, k32 e4m3).
   static constexpr int bm = tuning.block_m, bn = tuning.block_n, bk = 128 / static_cast<int>(sizeof(E));
   static constexpr int chunk = 16 / static_cast<int>(sizeof(E)), k_steps = 4;
+  // Weight copies carry an L2 policy (createpolicy) in the 16-bit kernels only: in the e4m3
+  // ones, nvcc 13.0's ptxas left the copies' policy descriptor registers unwritten (SASS
+  // `LDGSTS ... desc[UR1]` with UR1 never set; an illegal instruction on the H200), so they keep
+  // the 256-byte fetch hint alone and the default policy (p.weights_evict_first must be off).
+  static constexpr bool l2_policy = !Fp8;
   static constexpr int stage_elems = (bn + bm) * bk;  // weight rows, then token rows
   // Gated: m16 block 0 holds the gate rows of 16 output columns, block 1 their up rows.
   static constexpr bool gated = Kind == moe_gemm_kind::gate_up;
@@ -128,6 +133,7 @@ struct moe_stream_gemm {
       const std::uint32_t dst = smem_address(stage + r * bk + swizzled_chunk<64>(r, piece) * chunk);
       const E* from = ok ? src[i] + kcol : p_any;
       if (i >= bn / 4) cp_async_16(dst, from, ok);
+      else if (!l2_policy) fetch_256 ? cp_async_16_fetch_256(dst, from, ok) : cp_async_16(dst, from, ok);
       else if (fetch_256) cp_async_16_hinted<true>(dst, from, ok, weight_policy);
       else cp_async_16_hinted<false>(dst, from, ok, weight_policy);
     }
@@ -268,7 +274,7 @@ struct moe_stream_gemm {
   struct loader {
     const E* src[copies];
     std::int64_t item = -1;  // the CTA-local item src[] points into
-    std::uint64_t weight_policy;
+    std::uint64_t weight_policy = 0;
 
     // Issues copies [First, Last) of tile g of the sequence (nothing past `total`).
     template <int First = 0, int Last = copies>
@@ -351,7 +357,7 @@ struct moe_stream_gemm {
     E* my_ring = ring + warp * stages * stage_elems;
 
     loader ld;
-    ld.weight_policy = l2_load_policy(p.weights_evict_first);
+    if constexpr (l2_policy) ld.weight_policy = l2_load_policy(p.weights_evict_first);
     if constexpr (early_weights) {
       // The first tiles' weights before the wait, each tile a group; their token rows after it,
       // one more group, which the first wait below takes whole.

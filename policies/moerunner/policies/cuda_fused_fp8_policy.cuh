@@ -275,10 +275,9 @@ class cuda_fused_fp8_policy {
     g1.b = q.w13;
     g1.act_f32 = act_f32;
     g2.b = q.w2;
-    // As cuda_fused's stream GEMMs by default (gpu::stream_l2_use): weight copies evict-first,
-    // 256-byte fetches where a warp walks 16 or more 128-byte K tiles.
+    // As cuda_fused's stream GEMMs by default (gpu::stream_l2_use): 256-byte fetches where a
+    // warp walks 16 or more 128-byte K tiles; no evict-first policy (kernels::moe_stream_gemm::l2_policy).
     const gpu::stream_l2_use l2{};
-    g1.g.weights_evict_first = g2.g.weights_evict_first = l2.evict_first;
     g1.g.weights_fetch_256 = gpu::stream_fetch_256<policy>(l2, g1.g.k, 1);
     g2.g.weights_fetch_256 = gpu::stream_fetch_256<policy>(l2, g2.g.k, 1);
     if (cfg_.is_gated())
