@@ -1,7 +1,25 @@
 """moerunner.MoeRunner: one MoE layer's runner, over the extension's Runner."""
 
+import itertools
+import weakref
+
 from . import _moerunner
 from ._arrays import empty, leading_dim, stream_handle, torch_of
+
+# Every runner's handle, given when it is built: the torch ops (moerunner.torch) take runners by
+# handle, and a handle given at the first op call would be given inside torch.compile's tracing,
+# which defers the registration past the fake implementation that looks the runner up.
+_next_handle = itertools.count()  # next() is atomic under the GIL
+_live = {}  # handle -> weak reference to its runner, dropped with the runner
+
+
+def runner_of_handle(handle):
+    """The live runner with this handle; LookupError once it is gone."""
+    ref = _live.get(handle)
+    runner = ref() if ref is not None else None
+    if runner is None:
+        raise LookupError(f"no live moerunner.MoeRunner has handle {handle}")
+    return runner
 
 
 class MoeRunner:
@@ -16,7 +34,8 @@ class MoeRunner:
     unknown backend RegistryError (a LookupError).
     """
 
-    __slots__ = ("_core", "backend", "config", "tensor_space", "_out_dims", "_inplace", "_host")
+    __slots__ = ("_core", "backend", "config", "tensor_space", "handle", "_out_dims", "_inplace", "_host",
+                 "__weakref__")
 
     def __init__(self, backend="reference", **config):
         self._core = _moerunner.Runner(backend, **config)
@@ -27,6 +46,8 @@ class MoeRunner:
         self._out_dims = (c["top_k"], c["hidden_size"]) if c["no_combine"] else (c["hidden_size"],)
         self._inplace = c["inplace"]
         self._host = self.tensor_space == "host"
+        self.handle = next(_next_handle)  # unique in the process, never reused
+        _live[self.handle] = weakref.ref(self, lambda _, h=self.handle: _live.pop(h, None))
 
     def workspace_bytes(self, num_tokens):
         """Scratch bytes one run over num_tokens tokens needs (0 for host backends)."""

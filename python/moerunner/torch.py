@@ -7,9 +7,10 @@ CUDA graphs capture. Import it where torch is installed:
     out = mt.fused_moe(runner, x, ids, weights, w13, w2)
 
 The ops are moerunner::topk and moerunner::fused_moe. A runner is not a tensor, so the op takes
-its handle (an int a runner gets the first time it is passed here); runners stay alive while
-their handle is registered. The workspace comes from torch's caching allocator on every call
-(inside a graph capture, from the graph's pool), the stream is torch's current stream.
+its handle (MoeRunner.handle, an int every runner gets when it is built) and finds the runner by
+it while the runner lives: keep the runner (the model's module does) as long as a compiled
+function or graph calls the op. The workspace comes from torch's caching allocator on every
+call (inside a graph capture, from the graph's pool), the stream is torch's current stream.
 
 fused_moe's optional status is the caller's int32 [2] tensor (bad_slots, first_bad_slot) that a
 cuda_fused or cuda_fused_fp8 run adds bad expert ids to, as MoeRunner.run's: the op declares it
@@ -22,22 +23,14 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import _routing
-from ._runner import MoeRunner
-
-_runners: List[MoeRunner] = []
-_handles = {}
+from ._runner import MoeRunner, runner_of_handle
 
 
 def handle(runner: MoeRunner) -> int:
-    """The op's handle for runner, registered on first use."""
-    h = _handles.get(id(runner))
-    if h is None:
-        if runner.config["inplace"]:
-            raise ValueError("moerunner.torch.fused_moe returns a new tensor; build the runner with inplace=False")
-        h = len(_runners)
-        _runners.append(runner)
-        _handles[id(runner)] = h
-    return h
+    """The op's handle for runner."""
+    if runner.config["inplace"]:
+        raise ValueError("moerunner.torch.fused_moe returns a new tensor; build the runner with inplace=False")
+    return runner.handle
 
 
 def _stream(t: torch.Tensor) -> int:
@@ -60,7 +53,7 @@ def _fused_moe(runner_handle: int, x: torch.Tensor, topk_ids: torch.Tensor, topk
                w2_scale: Optional[torch.Tensor], status: Optional[torch.Tensor]) -> torch.Tensor:
     # status has no default: the dispatcher drops trailing arguments equal to their defaults
     # before the op's mutation bookkeeping indexes them by schema position.
-    runner = _runners[runner_handle]
+    runner = runner_of_handle(runner_handle)
     out = torch.empty(_out_shape(runner, x), dtype=_out_dtype(x), device=x.device)
     nbytes = runner.workspace_bytes(x.shape[0])
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
@@ -72,7 +65,7 @@ def _fused_moe(runner_handle: int, x: torch.Tensor, topk_ids: torch.Tensor, topk
 @_fused_moe.register_fake
 def _(runner_handle, x, topk_ids, topk_weights, w13, w2, b13, b2, hidden_scales, w13_scale, w2_scale, status):
     # status is only added to in place: its shape and dtype are the caller's, nothing to build.
-    return x.new_empty(_out_shape(_runners[runner_handle], x), dtype=_out_dtype(x))
+    return x.new_empty(_out_shape(runner_of_handle(runner_handle), x), dtype=_out_dtype(x))
 
 
 @torch.library.custom_op("moerunner::topk", mutates_args=())

@@ -103,3 +103,22 @@ def test_streams_are_parsed_and_ignored_on_the_host(rng):
         np.testing.assert_array_equal(runner().run(x, ids, w, w13, w2, stream=stream), want)
     with pytest.raises(TypeError, match="stream must be"):
         runner().run(x, ids, w, w13, w2, stream="default")
+
+
+def test_runner_handles():
+    """Every runner gets its own handle when built (the torch ops take runners by it), found while
+    the runner lives and refused once it is gone."""
+    import gc
+
+    from moerunner._runner import runner_of_handle
+
+    a = moerunner.MoeRunner("reference", num_experts=4, hidden_size=8, intermediate_size=4, top_k=2)
+    b = moerunner.MoeRunner("reference", num_experts=4, hidden_size=8, intermediate_size=4, top_k=2)
+    assert isinstance(a.handle, int) and a.handle != b.handle
+    assert runner_of_handle(a.handle) is a and runner_of_handle(b.handle) is b
+    h = b.handle
+    del b
+    gc.collect()
+    with pytest.raises(LookupError, match=f"no live moerunner.MoeRunner has handle {h}$"):
+        runner_of_handle(h)
+    assert runner_of_handle(a.handle) is a
