@@ -287,6 +287,40 @@ TEST_CASE("fp8 plan: stream GEMMs at decode, pairs of CTAs above 64 rows per exp
   CHECK_FALSE(x64.combine_kernel);
 }
 
+TEST_CASE("fp8 plan: the stream GEMMs and pairs forced on or off (for measuring one against the other)") {
+  const auto forced = [](const moe_config_params& c, std::int64_t m, g::fp8_settings s) {
+    const g::fp8_plan p = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, s);
+    check_fp8_layout(p, c);
+    return p;
+  };
+  // Decode on the wgmma tiles, prefill on the stream GEMMs (the schedule then from the plan kernel).
+  const g::fp8_plan wgmma_decode = forced(qwen3(), 1, {.stream = false});
+  CHECK_FALSE(wgmma_decode.stream);
+  CHECK(wgmma_decode.schedule_block_m == 64);
+  CHECK(wgmma_decode.workspace.act_f32_bytes == 0);
+  CHECK(wgmma_decode.describe().find("wgmma e4m3") != std::string::npos);
+  const g::fp8_plan stream_prefill = forced(mixtral(), 512, {.stream = true});
+  CHECK(stream_prefill.stream);
+  CHECK_FALSE(stream_prefill.schedule_in_gemms);  // 1024 slots: more than the GEMMs order themselves
+  CHECK(stream_prefill.schedule_block_m == 8);
+  CHECK(stream_prefill.describe().find("stream e4m3") != std::string::npos);
+  CHECK_FALSE(forced(mixtral(), 0, {.stream = true}).stream);  // nothing to run
+  // Pairs off where the rule pairs, on where it would not.
+  const g::fp8_plan single = forced(deepseek(), 4096, {.pairs = false});
+  CHECK(single.cluster_m == 1);
+  CHECK(single.schedule_block_m == 64);
+  const g::fp8_plan paired = forced(mixtral(), 64, {.pairs = true});
+  CHECK(paired.cluster_m == 2);
+  CHECK(paired.schedule_block_m == 128);
+  CHECK(forced(qwen3(), 1, {.pairs = true}).stream);  // the stream GEMMs first, unless forced off
+  // Batch-invariant runs keep single wgmma CTAs whatever is asked.
+  moe_config_params inv = deepseek();
+  inv.batch_invariant = true;
+  const g::fp8_plan kept = forced(inv, 1, {.stream = true, .pairs = true});
+  CHECK_FALSE(kept.stream);
+  CHECK(kept.cluster_m == 1);
+}
+
 TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
   moe_config_params det = mixtral();
   det.deterministic = true;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "moerunner/core/config.hpp"
@@ -44,6 +45,14 @@ struct fp8_workspace {
   std::size_t total = 0;
 };
 
+// Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
+// set_stream_gemms and set_pairs); unset, the plan's rules decide. Batch-invariant runs keep
+// single wgmma CTAs whatever is asked (one kernel family at every M is what the mode promises).
+struct fp8_settings {
+  std::optional<bool> stream;  // the stream GEMMs (any M > 0), or never
+  std::optional<bool> pairs;   // wgmma CTAs in pairs on 128-row tiles, or never
+};
+
 struct fp8_plan {
   std::int64_t num_tokens = 0;
   // Decode (active experts average at most stream_max_rows_per_expert rows, as for cuda_fused):
@@ -80,7 +89,8 @@ struct fp8_plan {
 // The plan of one run over num_tokens tokens on `dev` (its SM count sets GEMM2's K splits).
 // GEMM2 stores as cuda_fused's wgmma GEMM2 does (plan_detail::store_mode); the input rows are
 // quantized into the workspace first, so GEMM1 may clear the output even when it aliases x.
-inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_tokens, const device_target& dev) {
+inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_tokens, const device_target& dev,
+                              const fp8_settings& settings = {}) {
   fp8_plan p;
   p.num_tokens = num_tokens;
   const std::int64_t slots = num_tokens * cfg.top_k();
@@ -88,11 +98,13 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   // Batch-invariant runs stay on single wgmma CTAs at every M (the stream GEMMs' warps split K;
   // a pair sums alike, but one kernel is what the mode promises).
   const std::int64_t active = std::min<std::int64_t>(e, slots);
-  p.stream = !cfg.batch_invariant() && slots > 0 && slots <= stream_max_rows_per_expert * active;
+  p.stream = !cfg.batch_invariant() && slots > 0 &&
+             settings.stream.value_or(slots <= stream_max_rows_per_expert * active);
   p.schedule_in_gemms = p.stream && slots <= local_plan_max_slots;
   if (p.stream) {
     p.schedule_block_m = stream_gemm_fp8_policy::tuning.schedule_block_m();
-  } else if (!cfg.batch_invariant() && active > 0 && slots > fp8_large_tile_min_rows * active) {
+  } else if (!cfg.batch_invariant() && active > 0 &&
+             settings.pairs.value_or(slots > fp8_large_tile_min_rows * active)) {
     p.schedule_block_m = fp8_large_block_m;
     p.cluster_m = fp8_large_block_m / fp8_block_m;
   }

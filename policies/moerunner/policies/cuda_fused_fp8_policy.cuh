@@ -41,6 +41,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -80,8 +81,12 @@ class cuda_fused_fp8_policy {
   // for the current device or a given one; describe() is one line for a log.
   gpu::fp8_plan plan(std::int64_t num_tokens) const { return plan(num_tokens, gpu::current_device_target_or_none()); }
   gpu::fp8_plan plan(std::int64_t num_tokens, const gpu::device_target& dev) const {
-    return gpu::make_fp8_plan(cfg_, num_tokens, dev);
+    return gpu::make_fp8_plan(cfg_, num_tokens, dev, settings_);
   }
+  // Force the stream GEMMs on or off, or pairs of wgmma CTAs on or off (unset: the plan's rules),
+  // for measuring one against the other (gpu::fp8_settings).
+  void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
+  void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
@@ -293,6 +298,7 @@ class cuda_fused_fp8_policy {
   static constexpr int raster_band = gpu::sm90_wgmma_gemm_policy::tuning.raster_band;
 
   MoeRunnerConfig cfg_;
+  gpu::fp8_settings settings_;
 };
 
 static_assert(explain_dispatch_runner_core<cuda_fused_fp8_policy>());
