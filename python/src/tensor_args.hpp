@@ -41,8 +41,35 @@ class tensor_args {
   explicit tensor_args(const char* where) : where_(where) {}
 
   tensor_view operator()(const nb::ndarray<>& a, const char* what) {
+    return view_as(a, dtype_of(a.dtype(), what), what);
+  }
+
+  // None is an empty view, which the library reads as "not given".
+  tensor_view operator()(const std::optional<nb::ndarray<>>& a, const char* what) {
+    return a ? (*this)(*a, what) : tensor_view{};
+  }
+
+  // A byte buffer (the workspace): any dtype of whole bytes, dense and row-major, in `expected`
+  // memory; its pointer and size in bytes. The view is typed as the 1-byte f8_e4m3 only for the
+  // library's checks of space and layout, which count shape and strides in elements.
+  workspace_view bytes(const nb::ndarray<>& a, memory_space expected, const char* what) {
+    const nb::dlpack::dtype t = a.dtype();
+    const std::size_t bits = static_cast<std::size_t>(t.bits) * t.lanes;
+    MOE_EXPECT(bits % 8 == 0, where_, std::string(what) + " has dtype " + dlpack_dtype_name(t) + ", not whole bytes");
+    const tensor_view v = view_as(a, dtype::f8_e4m3, what);
+    check::space(v, expected, where_, what);
+    check::contiguous(v, where_, what);
+    return {v.data, static_cast<std::size_t>(v.numel()) * (bits / 8)};
+  }
+
+  // The CUDA device of the device tensors, -1 when every tensor is on the host.
+  int device() const { return device_; }
+
+ private:
+  // The array as a view of elements of type `type`: shape, strides, space, pointer as they are.
+  tensor_view view_as(const nb::ndarray<>& a, dtype type, const char* what) {
     tensor_view v;
-    v.type = dtype_of(a.dtype(), what);
+    v.type = type;
     v.space = space_of(a, what);
     const int rank = static_cast<int>(a.ndim());
     if (auto problem = detail::tensor_shape_problem(v.type, v.space, rank, a.shape_ptr()); !problem.empty())
@@ -65,37 +92,6 @@ class tensor_args {
     return v;
   }
 
-  // None is an empty view, which the library reads as "not given".
-  tensor_view operator()(const std::optional<nb::ndarray<>>& a, const char* what) {
-    return a ? (*this)(*a, what) : tensor_view{};
-  }
-
-  // A byte buffer (the workspace): any dtype, dense and row-major, in `expected` memory; its
-  // pointer and size in bytes.
-  workspace_view bytes(const nb::ndarray<>& a, memory_space expected, const char* what) {
-    const memory_space space = space_of(a, what);
-    MOE_EXPECT(space == expected, where_,
-               std::string(what) + " must live in " + std::string(memory_space_name(expected)) + " memory, got " +
-                   std::string(memory_space_name(space)));
-    std::size_t n = 1;
-    std::int64_t dense_stride = 1;
-    bool dense = true;
-    for (int d = static_cast<int>(a.ndim()) - 1; d >= 0; --d) {
-      dense = dense && (a.shape(d) <= 1 || a.stride(d) == dense_stride);
-      dense_stride *= static_cast<std::int64_t>(a.shape(d));
-      n *= a.shape(d);
-    }
-    MOE_EXPECT(dense || n == 0, where_, std::string(what) + " must be contiguous (row-major)");
-    const nb::dlpack::dtype t = a.dtype();
-    const std::size_t bits = static_cast<std::size_t>(t.bits) * t.lanes;
-    MOE_EXPECT(bits % 8 == 0, where_, std::string(what) + " has dtype " + dlpack_dtype_name(t) + ", not whole bytes");
-    return {const_cast<void*>(a.data()), n * (bits / 8)};
-  }
-
-  // The CUDA device of the device tensors, -1 when every tensor is on the host.
-  int device() const { return device_; }
-
- private:
   dtype dtype_of(nb::dlpack::dtype t, const char* what) const {
     using code = nb::dlpack::dtype_code;
     if (t.lanes == 1) {

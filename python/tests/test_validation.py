@@ -110,6 +110,7 @@ def strided(a):
     (dict(w13_scale=np.zeros((E,), np.float32), w2_scale=np.zeros((E, H), np.float32)),
      "MoeRunner::run: w13 must be f8_e4m3, got f32"),
     (dict(workspace=strided(np.zeros(64, np.uint8))), "MoeRunner::run: workspace must be contiguous (row-major)"),
+    (dict(workspace=np.zeros((1, 1, 1, 1, 64), np.uint8)), "MoeRunner::run: workspace has rank 5, outside [0, 4]"),
 ])
 def test_run(change, message):
     runner = moerunner.MoeRunner("reference", **BASE)
