@@ -11,9 +11,10 @@ Rows:
                          set, on torch's current stream: what an engine calling the package runs.
                          Each row also holds the binding's own host cost, measured on the row's
                          shape: host_us_m0, the host time of one run call at M = 0 (DLPack
-                         views, the library's validation, no launch), and host_us_m1 at M = 1
-                         (the same plus the kernels' launches); the target of host_us_m0 is
-                         <= 3 us (host_us_target).
+                         views, the library's validation, no launch, the stream given as an
+                         int), host_us_m0_current_stream (the same with the stream left to
+                         torch) and host_us_m1 at M = 1 (stream given, plus the kernels'
+                         launches); the target of host_us_m0 is <= 3 us (host_us_target).
   sglang_triton          SGLang's Triton fused MoE from DIR (peer_fused_moe.py and its configs/,
   sglang_triton_nearest  default .peers/sglang_triton_moe), as bench/sglang_triton.py times it
                          and with its fields, but in this process, beside the package's rows.
@@ -56,7 +57,8 @@ def host_us_per_call(call, iters):
 
 
 def binding_overhead(runner, e, k, h, inter, iters):
-    """(host_us_m0, host_us_m1) of runner.run on this shape with everything preallocated."""
+    """(host_us_m0, host_us_m0_current_stream, host_us_m1) of runner.run on this shape with
+    everything preallocated; the second leaves the stream to torch (stream=None)."""
     dev = torch.device("cuda")
     x = torch.randn(1, h, device=dev).bfloat16()
     ids = torch.arange(k, device=dev, dtype=torch.int32).remainder(e).view(1, k)
@@ -69,12 +71,14 @@ def binding_overhead(runner, e, k, h, inter, iters):
     workspace = torch.empty(max(1, runner.workspace_bytes(1)), dtype=torch.uint8, device=dev)
     stream = torch.cuda.current_stream().cuda_stream
     m0 = (x[:0], ids[:0], weights[:0], w13, w2)
-    us0 = host_us_per_call(lambda: runner.run(*m0, out=out[:0], workspace=workspace, stream=stream), iters)
+    out0 = out[:0]
+    us0 = host_us_per_call(lambda: runner.run(*m0, out=out0, workspace=workspace, stream=stream), iters)
+    us0_current = host_us_per_call(lambda: runner.run(*m0, out=out0, workspace=workspace), iters)
     us1 = host_us_per_call(lambda: runner.run(x, ids, weights, w13, w2, out=out, workspace=workspace,
                                               stream=stream), iters)
     del w13, w2
     torch.cuda.empty_cache()
-    return us0, us1
+    return us0, us0_current, us1
 
 
 def run_package(args, moerunner):
@@ -111,17 +115,19 @@ def run_package(args, moerunner):
         if name not in overhead:
             try:
                 overhead[name] = binding_overhead(runner, e, k, h, inter, args.iters)
-                us0, us1 = overhead[name]
+                us0, us0_current, us1 = overhead[name]
                 print(f"moerunner_py {name}: host time per run call {us0:.2f} us at M=0 (binding and validation, "
                       f"no launch; target <= {HOST_TARGET_US:g} us{'' if us0 <= HOST_TARGET_US else ': OVER'}), "
-                      f"{us1:.2f} us at M=1 (with the launches)", flush=True)
+                      f"{us0_current:.2f} us with torch's current stream, {us1:.2f} us at M=1 (with the launches)",
+                      flush=True)
             except Exception as exc:  # run_cells asks outside its per-cell guard: report, go on
-                overhead[name] = (None, None)
+                overhead[name] = (None, None, None)
                 print(f"moerunner_py {name}: host time not measured: {type(exc).__name__}: {exc}", flush=True)
-        us0, us1 = overhead[name]
+        us0, us0_current, us1 = overhead[name]
         return {"bench": "python_bench", "package": moerunner.__version__, "runner": runner.backend,
                 "plan": runner.describe(m), "workspace_bytes": runner.workspace_bytes(m),
-                "host_us_m0": us0, "host_us_m1": us1, "host_us_target": HOST_TARGET_US}
+                "host_us_m0": us0, "host_us_m0_current_stream": us0_current, "host_us_m1": us1,
+                "host_us_target": HOST_TARGET_US}
 
     return run_cells(args, "moerunner_py", make_call, extra=extra)
 

@@ -1,7 +1,7 @@
 """moerunner.topk: top-k routing, reference::topk on the host and gpu::topk on the device."""
 
 from . import _moerunner
-from ._arrays import empty, leading_dim, stream_handle
+from ._arrays import empty, leading_dim
 
 
 def topk(router_logits, *, top_k, num_fused_shared_experts=0, correction_bias=None, topk_weights=None,
@@ -21,6 +21,5 @@ def topk(router_logits, *, top_k, num_fused_shared_experts=0, correction_bias=No
         topk_weights = empty(router_logits, shape, "f32", "topk_weights")
     if topk_ids is None:
         topk_ids = empty(router_logits, shape, "i32", "topk_ids")
-    _moerunner.topk(router_logits, topk_weights, topk_ids, correction_bias, stream_handle(stream, router_logits),
-                    top_k=top_k, num_fused_shared_experts=num_fused_shared_experts, **options)
+    _moerunner.topk(router_logits, topk_weights, topk_ids, correction_bias, stream, top_k=top_k, num_fused_shared_experts=num_fused_shared_experts, **options)
     return topk_weights, topk_ids

@@ -4,7 +4,7 @@ import itertools
 import weakref
 
 from . import _moerunner
-from ._arrays import empty, leading_dim, stream_handle, torch_of
+from ._arrays import empty, leading_dim, torch_of
 
 # Every runner's handle, given when it is built: the torch ops (moerunner.torch) take runners by
 # handle, and a handle given at the first op call would be given inside torch.compile's tracing,
@@ -75,6 +75,8 @@ class MoeRunner:
         workspace_bytes(M) bytes in the backend's memory space; None allocates it through
         torch for torch tensors. stream: an int cudaStream_t, an object with __cuda_stream__
         or cuda_stream, or None (torch's current stream for CUDA torch tensors, else 0).
+        Arrays whose type has DLPack's C exchange API (torch >= 2.10) are read through it,
+        without a Python call; others through __dlpack__.
         status: an int32 [2] device array a cuda_fused run adds bad expert ids to
         (bad_slots, first_bad_slot). Nothing synchronizes. Returns out.
         """
@@ -84,8 +86,9 @@ class MoeRunner:
             nbytes = self._core.workspace_bytes(leading_dim(x))
             if nbytes and torch_of(x) is not None:
                 workspace = empty(x, (nbytes,), "u8", "workspace")
-        self._core.run(x, topk_ids, topk_weights, w13, w2, out, workspace, stream_handle(stream, x), b13, b2,
-                       status, hidden_scales, w13_scale, w2_scale)
+        # Arrays and the stream are read in the extension (stream_handle resolves what it cannot).
+        self._core.run(x, topk_ids, topk_weights, w13, w2, out, workspace, stream, b13, b2, status, hidden_scales,
+                       w13_scale, w2_scale)
         return out
 
     def __repr__(self):

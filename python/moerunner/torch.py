@@ -33,10 +33,6 @@ def handle(runner: MoeRunner) -> int:
     return runner.handle
 
 
-def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
-
-
 def _out_shape(runner: MoeRunner, x: torch.Tensor) -> List[int]:
     c = runner.config
     return [x.shape[0], c["top_k"], c["hidden_size"]] if c["no_combine"] else [x.shape[0], c["hidden_size"]]
@@ -57,7 +53,7 @@ def _fused_moe(runner_handle: int, x: torch.Tensor, topk_ids: torch.Tensor, topk
     out = torch.empty(_out_shape(runner, x), dtype=_out_dtype(x), device=x.device)
     nbytes = runner.workspace_bytes(x.shape[0])
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
-    runner.run(x, topk_ids, topk_weights, w13, w2, out=out, workspace=workspace, stream=_stream(x), b13=b13, b2=b2,
+    runner.run(x, topk_ids, topk_weights, w13, w2, out=out, workspace=workspace, stream=None, b13=b13, b2=b2,
                status=status, hidden_scales=hidden_scales, w13_scale=w13_scale, w2_scale=w2_scale)
     return out
 
@@ -74,7 +70,7 @@ def _topk(router_logits: torch.Tensor, correction_bias: Optional[torch.Tensor], 
           apply_routed_scaling_factor_on_weights: bool, num_fused_shared_experts: int,
           fused_shared_expert_weight: float) -> Tuple[torch.Tensor, torch.Tensor]:
     return _routing.topk(router_logits, top_k=top_k, num_fused_shared_experts=num_fused_shared_experts,
-                         correction_bias=correction_bias, stream=_stream(router_logits), scoring=scoring,
+                         correction_bias=correction_bias, stream=None, scoring=scoring,
                          renormalize=renormalize, num_expert_group=num_expert_group, topk_group=topk_group,
                          routed_scaling_factor=routed_scaling_factor,
                          apply_routed_scaling_factor_on_weights=apply_routed_scaling_factor_on_weights,

@@ -2,11 +2,9 @@
 // arguments that mirror moe_config_params and validated by MoeRunnerConfig.
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 #include <type_traits>
 
-#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 
@@ -18,8 +16,10 @@ namespace moerunner::python {
 
 namespace {
 
-using array = nb::ndarray<>;
-using optional_array = std::optional<nb::ndarray<>>;
+// The Python stream argument as an int, for what tensor_args::stream leaves to Python.
+nb::object python_stream(nb::handle stream, nb::handle like) {
+  return nb::module_::import_("moerunner._arrays").attr("stream_handle")(stream, like);
+}
 
 moe_config_params make_params(int num_experts, int hidden_size, int intermediate_size, int top_k,
                               int num_local_experts, std::string_view act, float alpha, float limit, bool is_gated,
@@ -79,23 +79,23 @@ class runner {
   std::size_t workspace_bytes(std::int64_t m) const { return impl_->workspace_bytes(m); }
   std::string describe(std::int64_t m) const { return impl_->describe(m); }
 
-  void run(const array& x, const array& topk_ids, const array& topk_weights, const array& w13, const array& w2,
-           const array& out, const optional_array& workspace, std::uintptr_t stream, const optional_array& b13,
-           const optional_array& b2, const optional_array& status, const optional_array& hidden_scales,
-           const optional_array& w13_scale, const optional_array& w2_scale) {
+  // Arrays come as Python objects, converted by tensor_args (None: not given, where optional);
+  // stream as an int, None or a stream object (see tensor_args::stream).
+  void run(nb::handle x, nb::handle topk_ids, nb::handle topk_weights, nb::handle w13, nb::handle w2, nb::handle out,
+           nb::handle workspace, nb::handle stream, nb::handle b13, nb::handle b2, nb::handle status,
+           nb::handle hidden_scales, nb::handle w13_scale, nb::handle w2_scale) {
     constexpr const char* where = "MoeRunner::run";
     const memory_space space = impl_->tensor_space();
     tensor_args views(where);
     DispatchOutput d;
     d.hidden_states = views(x, "hidden_states");
-    d.hidden_scales = views(hidden_scales, "hidden_scales");
+    d.hidden_scales = views.optional(hidden_scales, "hidden_scales");
     d.topk.topk_ids = views(topk_ids, "topk_ids");
     d.topk.topk_weights = views(topk_weights, "topk_weights");
     const tensor_view out_view = views(out, "output");
-    workspace_view ws;
-    if (workspace) ws = views.bytes(*workspace, space, "workspace");  // bytes: any dtype, uint8 as a rule
-    if (status) {
-      const tensor_view s = views(*status, "status");
+    const workspace_view ws = views.bytes(workspace, space, "workspace");  // bytes: any dtype, uint8 as a rule
+    if (!status.is_none()) {
+      const tensor_view s = views(status, "status");
       check::type(s, dtype::i32, where, "status");
       check::space(s, space, where, "status");
       check::contiguous(s, where, "status");
@@ -103,25 +103,32 @@ class runner {
                                             s.shape_string());
       d.status = s.ptr<moe_status>();
     }
-    if (w13_scale || w2_scale) {
-      MOE_EXPECT(!b13 && !b2, where, "b13 and b2 go with unquantized weights; fp8 weights take no biases");
+    const bool fp8 = !w13_scale.is_none() || !w2_scale.is_none();
+    // Converted in argument order, so that a call with several bad arguments names the first.
+    const tensor_view w13_view = views(w13, "w13");
+    const tensor_view w2_view = views(w2, "w2");
+    const tensor_view b13_view = views.optional(b13, "b13");
+    const tensor_view b2_view = views.optional(b2, "b2");
+    const tensor_view s13 = views.optional(w13_scale, "w13_scale");
+    const tensor_view s2 = views.optional(w2_scale, "w2_scale");
+    const std::uintptr_t on_stream = views.stream(stream, [&](nb::handle st) { return python_stream(st, x); });
+    if (fp8) {
+      MOE_EXPECT(b13_view.empty_view() && b2_view.empty_view(), where,
+                 "b13 and b2 go with unquantized weights; fp8 weights take no biases");
       // The scales' rank names the format: [E, row blocks, column blocks], [E, rows] or [E].
-      const tensor_view s13 = views(w13_scale, "w13_scale");
-      const auto fp8 = [&]<class Q>(std::type_identity<Q>) {
-        call(d, Q{views(w13, "w13"), s13, views(w2, "w2"), views(w2_scale, "w2_scale")}, out_view, ws, stream,
-             views.device());
+      const auto fp8_call = [&]<class Q>(std::type_identity<Q>) {
+        call(d, Q{w13_view, s13, w2_view, s2}, out_view, ws, on_stream, views.device());
       };
       switch (s13.rank) {
-        case 3: fp8(std::type_identity<fp8_block_quant_info>{}); break;
-        case 2: fp8(std::type_identity<fp8_channel_quant_info>{}); break;
-        case 1: fp8(std::type_identity<fp8_tensor_quant_info>{}); break;
+        case 3: fp8_call(std::type_identity<fp8_block_quant_info>{}); break;
+        case 2: fp8_call(std::type_identity<fp8_channel_quant_info>{}); break;
+        case 1: fp8_call(std::type_identity<fp8_tensor_quant_info>{}); break;
         default:
           detail::throw_invalid(where, "w13_scale must have rank 3 (128x128 blocks), 2 (per channel) or 1 (per "
                                        "tensor), got shape " + s13.shape_string());
       }
     } else {
-      const unquantized_quant_info q{views(w13, "w13"), views(w2, "w2"), views(b13, "b13"), views(b2, "b2")};
-      call(d, q, out_view, ws, stream, views.device());
+      call(d, unquantized_quant_info{w13_view, w2_view, b13_view, b2_view}, out_view, ws, on_stream, views.device());
     }
   }
 
@@ -172,10 +179,12 @@ void bind_runner(nb::module_& m) {
       .def_prop_ro("config", &runner::config)
       .def("workspace_bytes", &runner::workspace_bytes, nb::arg("num_tokens"))
       .def("describe", &runner::describe, nb::arg("num_tokens"))
-      .def("run", &runner::run, nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w13"),
-           nb::arg("w2"), nb::arg("out"), nb::arg("workspace").none(), nb::arg("stream"), nb::arg("b13").none(),
-           nb::arg("b2").none(), nb::arg("status").none(), nb::arg("hidden_scales").none(),
-           nb::arg("w13_scale").none(), nb::arg("w2_scale").none());
+      // Every argument may be None (nanobind refuses None for a handle unless told): the run
+      // names what is missing, as it names what is wrong.
+      .def("run", &runner::run, nb::arg("x").none(), nb::arg("topk_ids").none(), nb::arg("topk_weights").none(),
+           nb::arg("w13").none(), nb::arg("w2").none(), nb::arg("out").none(), nb::arg("workspace").none(),
+           nb::arg("stream").none(), nb::arg("b13").none(), nb::arg("b2").none(), nb::arg("status").none(),
+           nb::arg("hidden_scales").none(), nb::arg("w13_scale").none(), nb::arg("w2_scale").none());
 }
 
 }  // namespace moerunner::python

@@ -1,14 +1,16 @@
-// DLPack arrays (nanobind ndarrays from torch, CuPy, JAX, numpy) as the library's tensor_views:
-// dtype, shape, element strides, memory space and pointer taken as they are, so that the
-// library's own checks judge them. Only what a tensor_view cannot describe is refused here.
+// DLPack arrays (torch, CuPy, JAX, numpy) as the library's tensor_views: dtype, shape, element
+// strides, memory space and pointer taken as they are, so that the library's own checks judge
+// them. Only what a tensor_view cannot describe is refused here.
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nanobind/ndarray.h>
 
+#include "dlpack_exchange.hpp"
 #include "moerunner/moerunner.hpp"
 
 namespace moerunner::python {
@@ -35,61 +37,134 @@ inline std::string dlpack_dtype_name(nb::dlpack::dtype t) {
   return base;
 }
 
-// Converts a call's array arguments, checking that its device tensors share one device.
+// One array argument as DLPack describes it, valid while the call runs.
+struct dl_array {
+  nb::dlpack::dtype type;
+  std::int32_t device_type = 0, device_id = 0;
+  int rank = 0;
+  const std::int64_t* shape = nullptr;
+  const std::int64_t* strides = nullptr;  // in elements; null: row-major
+  void* data = nullptr;                   // the first element (DLPack's byte offset applied)
+};
+
+// Converts a call's array arguments, checking that its device tensors share one device, and
+// finds the stream a call without one runs on. An array whose type carries DLPack's C exchange
+// API (torch) is read through it, with no Python call; any other goes through nanobind's
+// ndarray (`__dlpack__`, the buffer protocol), which is held until the call returns.
 class tensor_args {
  public:
   explicit tensor_args(const char* where) : where_(where) {}
 
-  tensor_view operator()(const nb::ndarray<>& a, const char* what) {
-    return view_as(a, dtype_of(a.dtype(), what), what);
-  }
+  // An array argument; None is refused as any other non-array.
+  tensor_view operator()(nb::handle a, const char* what) { return view(import(a, what), what); }
 
-  // None is an empty view, which the library reads as "not given".
-  tensor_view operator()(const std::optional<nb::ndarray<>>& a, const char* what) {
-    return a ? (*this)(*a, what) : tensor_view{};
-  }
+  // An optional array argument: None is an empty view, which the library reads as "not given".
+  tensor_view optional(nb::handle a, const char* what) { return a.is_none() ? tensor_view{} : (*this)(a, what); }
 
   // A byte buffer (the workspace): any dtype of whole bytes, dense and row-major, in `expected`
   // memory; its pointer and size in bytes. The view is typed as the 1-byte f8_e4m3 only for the
-  // library's checks of space and layout, which count shape and strides in elements.
-  workspace_view bytes(const nb::ndarray<>& a, memory_space expected, const char* what) {
-    const nb::dlpack::dtype t = a.dtype();
-    const std::size_t bits = static_cast<std::size_t>(t.bits) * t.lanes;
-    MOE_EXPECT(bits % 8 == 0, where_, std::string(what) + " has dtype " + dlpack_dtype_name(t) + ", not whole bytes");
-    const tensor_view v = view_as(a, dtype::f8_e4m3, what);
+  // library's checks of space and layout, which count shape and strides in elements. None: no
+  // workspace.
+  workspace_view bytes(nb::handle a, memory_space expected, const char* what) {
+    if (a.is_none()) return {};
+    const dl_array d = import(a, what);
+    const std::size_t bits = static_cast<std::size_t>(d.type.bits) * d.type.lanes;
+    MOE_EXPECT(bits % 8 == 0, where_, std::string(what) + " has dtype " + dlpack_dtype_name(d.type) + ", not whole bytes");
+    const tensor_view v = view_as(d, dtype::f8_e4m3, what);
     check::space(v, expected, where_, what);
     check::contiguous(v, where_, what);
     return {v.data, static_cast<std::size_t>(v.numel()) * (bits / 8)};
   }
 
+  // The two steps of operator(), for a caller whose messages depend on where an array lives:
+  // the array as DLPack describes it, then its view (messages from here on name `where`).
+  dl_array import(nb::handle a, const char* what);  // defined below the class
+  tensor_view view(const dl_array& a, const char* what) { return view_as(a, dtype_of(a.type, what), what); }
+  void set_where(const char* where) { where_ = where; }
+
   // The CUDA device of the device tensors, -1 when every tensor is on the host.
   int device() const { return device_; }
 
+  // The cudaStream_t to run on. An int is taken as it is; None is the current stream of the
+  // framework the device tensors came from (through its exchange API where it has one) and 0
+  // for host tensors; `fallback(stream)` resolves the rest (stream objects, frameworks without
+  // the API) in Python. Call after every array has been converted.
+  template <class Fallback>
+  std::uintptr_t stream(nb::handle s, Fallback&& fallback) const {
+    if (PyLong_CheckExact(s.ptr())) return stream_handle(s);
+    if (s.is_none() && device_ < 0) return 0;
+    if (s.is_none() && stream_api_ != nullptr && stream_api_->current_work_stream != nullptr) {
+      void* current = nullptr;
+      if (stream_api_->current_work_stream(nb::device::cuda::value, device_, &current) != 0) {
+        if (!PyErr_Occurred())
+          PyErr_SetString(PyExc_RuntimeError, (std::string(where_) + ": the arrays' framework gave no current stream "
+                                               "for CUDA device " + std::to_string(device_)).c_str());
+        throw nb::python_error();
+      }
+      return reinterpret_cast<std::uintptr_t>(current);
+    }
+    return stream_handle(fallback(s));
+  }
+
  private:
+  // A BufferError naming the argument the framework would not export, with the first line of
+  // the framework's reason (torch's carries a C++ backtrace after it).
+  [[noreturn]] void refused_export(const char* what) const {
+    std::string reason = "no reason given";
+    if (PyErr_Occurred()) {
+      const nb::python_error e;  // takes the error, clearing it
+      reason = nb::str(e.value()).c_str();
+      reason = reason.substr(0, reason.find('\n'));
+    }
+    PyErr_SetString(PyExc_BufferError,
+                    (std::string(where_) + ": " + what + " could not be exported through DLPack: " + reason).c_str());
+    throw nb::python_error();
+  }
+
+  // An int stream handle as a cudaStream_t; a negative or oversized int is a TypeError, as
+  // any other stream argument that is not a stream.
+  std::uintptr_t stream_handle(nb::handle s) const {
+    std::uintptr_t handle = 0;
+    if (!nb::try_cast(s, handle, false))
+      throw nb::type_error((std::string(where_) + ": stream must be a cudaStream_t as a non-negative int, got " +
+                            nb::repr(s).c_str()).c_str());
+    return handle;
+  }
+
   // The array as a view of elements of type `type`: shape, strides, space, pointer as they are.
-  tensor_view view_as(const nb::ndarray<>& a, dtype type, const char* what) {
+  tensor_view view_as(const dl_array& a, dtype type, const char* what) {
     tensor_view v;
     v.type = type;
     v.space = space_of(a, what);
-    const int rank = static_cast<int>(a.ndim());
-    if (auto problem = detail::tensor_shape_problem(v.type, v.space, rank, a.shape_ptr()); !problem.empty())
+    if (auto problem = detail::tensor_shape_problem(v.type, v.space, a.rank, a.shape); !problem.empty())
       detail::throw_invalid(where_, std::string(what) + " " + problem);
-    v.rank = rank;
-    for (int d = 0; d < rank; ++d) {
-      v.shape[d] = a.shape(d);
-      v.strides[d] = a.stride(d);
-    }
-    // The strides of an array without elements address nothing, and frameworks report them
-    // freely (numpy's export of an empty array, for one): row-major strides describe it.
-    if (v.numel() == 0) {
+    v.rank = a.rank;
+    for (int d = 0; d < a.rank; ++d) v.shape[d] = a.shape[d];
+    // Row-major strides where DLPack gives none, and for an array without elements, whose
+    // strides address nothing and which frameworks report freely (numpy's export of an empty
+    // array, for one).
+    if (a.strides == nullptr || v.numel() == 0) {
       std::int64_t s = 1;
-      for (int d = rank - 1; d >= 0; --d) {
+      for (int d = a.rank - 1; d >= 0; --d) {
         v.strides[d] = s;
         s *= v.shape[d] > 0 ? v.shape[d] : 1;
       }
+    } else {
+      for (int d = 0; d < a.rank; ++d) v.strides[d] = a.strides[d];
     }
-    v.data = const_cast<void*>(a.data());
+    v.data = a.data;
     return v;
+  }
+
+  // Where a device tensor lives, checked against the call's other device tensors; the first
+  // device tensor read through an exchange API names the framework whose stream None means.
+  void note_device(const dl_array& a, const char* what, const dlpack_exchange_api* api) {
+    if (a.device_type != nb::device::cuda::value && a.device_type != nb::device::cuda_managed::value) return;
+    if (device_ < 0) device_ = a.device_id;
+    MOE_EXPECT(a.device_id == device_, where_,
+               std::string(what) + " is on CUDA device " + std::to_string(a.device_id) +
+                   ", the call's other device tensors on device " + std::to_string(device_));
+    if (stream_api_ == nullptr) stream_api_ = api;
   }
 
   dtype dtype_of(nb::dlpack::dtype t, const char* what) const {
@@ -106,28 +181,45 @@ class tensor_args {
                                       ", which moerunner does not take (f32, f16, bf16, f8_e4m3 or i32)");
   }
 
-  memory_space space_of(const nb::ndarray<>& a, const char* what) {
-    switch (a.device_type()) {
+  memory_space space_of(const dl_array& a, const char* what) const {
+    switch (a.device_type) {
       case nb::device::cpu::value:
       case nb::device::cuda_host::value:  // pinned host memory
         return memory_space::host;
       case nb::device::cuda::value:
-      case nb::device::cuda_managed::value: {
-        const int id = static_cast<int>(a.device_id());
-        if (device_ < 0) device_ = id;
-        MOE_EXPECT(id == device_, where_,
-                   std::string(what) + " is on CUDA device " + std::to_string(id) +
-                       ", the call's other device tensors on device " + std::to_string(device_));
+      case nb::device::cuda_managed::value:
         return memory_space::device;
-      }
       default:
         detail::throw_invalid(where_, std::string(what) + " lives on DLPack device type " +
-                                          std::to_string(a.device_type()) + "; moerunner takes host and CUDA memory");
+                                          std::to_string(a.device_type) + "; moerunner takes host and CUDA memory");
     }
   }
 
   const char* where_;
   int device_ = -1;
+  const dlpack_exchange_api* stream_api_ = nullptr;
+  std::vector<nb::ndarray<>> held_;  // arrays nanobind imported, released when the call returns
 };
+
+inline dl_array tensor_args::import(nb::handle a, const char* what) {
+  dl_array d;
+  if (const dlpack_exchange_api* api = exchange_api_of(Py_TYPE(a.ptr()))) {
+    nb::dlpack::dltensor t;
+    if (api->dltensor_from_py_object_no_sync(a.ptr(), &t) != 0) refused_export(what);
+    d = {t.dtype, t.device.device_type, t.device.device_id, t.ndim, t.shape, t.strides,
+         static_cast<char*>(t.data) + t.byte_offset};
+    note_device(d, what, api);
+    return d;
+  }
+  nb::ndarray<> arr;
+  if (!nb::try_cast(a, arr))
+    throw nb::type_error((std::string(where_) + ": " + what + " must be an array (DLPack or the buffer protocol), got " +
+                          nb::inst_name(a).c_str()).c_str());
+  d = {arr.dtype(), arr.device_type(), arr.device_id(), static_cast<int>(arr.ndim()), arr.shape_ptr(),
+       arr.stride_ptr(), const_cast<void*>(arr.data())};
+  held_.push_back(std::move(arr));
+  note_device(d, what, nullptr);
+  return d;
+}
 
 }  // namespace moerunner::python

@@ -1,5 +1,5 @@
 """The GPU backends on torch CUDA tensors: against torch in float32, graph capture and replay,
-torch.compile, the status word and the call overhead. Skipped without CUDA, torch or a GPU build."""
+torch.compile, the status word and the tensors' import path. Skipped without CUDA, torch or a GPU build."""
 
 import time
 
@@ -166,27 +166,31 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
 
 
-def test_call_overhead_at_one_token():
-    """The host time of one run at M = 1 with everything given (the kernels' own launch cost
-    included): the binding's target is 3 us."""
+def test_call_reads_tensors_without_python_calls(monkeypatch):
+    """A run on torch CUDA tensors, its stream left to torch, reads tensors and stream through
+    DLPack's C exchange API: no __dlpack__ call, whose microseconds per tensor were most of the
+    binding's host cost. The cost itself is the bench's to hold (host_us_m0); printed here."""
+    if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+        pytest.skip("this torch has no DLPack C exchange API")
     x, ids, weights, w13, w2 = problem(1)
     r = runner("cuda_fused")
     out = torch.empty_like(x)
     workspace = torch.empty(r.workspace_bytes(1), dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.current_stream().cuda_stream
-    for _ in range(100):
-        r.run(x, ids, weights, w13, w2, out=out, workspace=workspace, stream=stream)
-    torch.cuda.synchronize()
+    r.run(x, ids, weights, w13, w2, out=out, workspace=workspace)
+    want = out.clone()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("__dlpack__ called")
+
+    monkeypatch.setattr(torch.Tensor, "__dlpack__", refuse)
+    out.zero_()
+    r.run(x, ids, weights, w13, w2, out=out, workspace=workspace)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    empty = x[:0], ids[:0], weights[:0], w13, w2
+    out0 = out[:0]
     n = 2000
-    start = time.perf_counter()
-    for _ in range(n):
-        r.run(x, ids, weights, w13, w2, out=out, workspace=workspace, stream=stream)
-    per_call = (time.perf_counter() - start) / n * 1e6
     torch.cuda.synchronize()
-    empty = x[:0], ids[:0], weights[:0]
     start = time.perf_counter()
     for _ in range(n):
-        r.run(*empty, w13, w2, out=out[:0], workspace=workspace, stream=stream)
-    binding = (time.perf_counter() - start) / n * 1e6
-    print(f"M=1: {per_call:.2f} us per call; M=0 (binding and validation, no launch): {binding:.2f} us")
-    assert binding <= 3.0, f"binding overhead {binding:.2f} us per call (M=1 call: {per_call:.2f} us)"
+        r.run(*empty, out=out0, workspace=workspace)
+    print(f"host time per run call at M=0: {(time.perf_counter() - start) / n * 1e6:.2f} us")

@@ -6,9 +6,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -65,6 +68,46 @@ inline std::string describe(const moe_shape& s, dtype t, const moe_options& o) {
          (o.interleaved ? " interleaved" : "") + (o.bias ? " bias=" + std::string(dtype_name(*o.bias)) : "");
 }
 
+// Rows [begin, end) of a view's first dimension.
+inline tensor_view rows_of(const tensor_view& v, std::int64_t begin, std::int64_t end) {
+  tensor_view r = v;
+  r.data = static_cast<char*>(v.data) + begin * v.strides[0] * static_cast<std::int64_t>(dtype_size(v.type));
+  r.shape[0] = end - begin;
+  return r;
+}
+
+// The reference backend's run of `d` into `out` with its tokens split over host threads, a
+// runner each. The reference computes every token alone in a fixed order, so the bits are those
+// of one call; the split only divides the minutes a large case costs on one core.
+template <class QuantInfo>
+void run_reference(const MoeRunnerConfig& cfg, const DispatchOutput& d, const QuantInfo& q, const tensor_view& out) {
+  const std::int64_t m = d.num_tokens();
+  const std::int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const int parts = static_cast<int>(std::clamp<std::int64_t>(m / 8, 1, std::min<std::int64_t>(cores, 16)));
+  const auto run_part = [&](std::int64_t begin, std::int64_t end) {
+    DispatchOutput part = d;
+    part.hidden_states = rows_of(d.hidden_states, begin, end);
+    if (!d.hidden_scales.empty_view()) part.hidden_scales = rows_of(d.hidden_scales, begin, end);
+    part.topk.topk_ids = rows_of(d.topk.topk_ids, begin, end);
+    part.topk.topk_weights = rows_of(d.topk.topk_weights, begin, end);
+    MoeRunner<reference_policy>("reference", cfg).run(part, q, rows_of(out, begin, end), {}, {});
+  };
+  if (parts == 1) return run_part(0, m);
+  std::vector<std::exception_ptr> errors(parts);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < parts; ++i)
+    threads.emplace_back([&, i] {
+      try {
+        run_part(m * i / parts, m * (i + 1) / parts);
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
 // A random problem on the host with its reference output.
 struct moe_problem {
   moe_shape s;
@@ -74,7 +117,8 @@ struct moe_problem {
   host_tensor x, w13, w2, weights, ids, ref;
   host_tensor b13, b2;  // empty without biases
 
-  moe_problem(const moe_shape& sh, dtype t, const moe_options& o, std::mt19937& rng)
+  // with_reference = false leaves ref uncomputed, for a caller that computes its own.
+  moe_problem(const moe_shape& sh, dtype t, const moe_options& o, std::mt19937& rng, bool with_reference = true)
       : s(sh),
         type(t),
         opt(o),
@@ -109,15 +153,15 @@ struct moe_problem {
     if (o.nan_token >= 0) set_element(x.view, static_cast<std::int64_t>(o.nan_token) * sh.h + sh.h / 3, NAN);
     route(rng);
     ref = o.no_combine ? host_tensor(t, {sh.m, sh.k, sh.h}) : host_tensor(t, {sh.m, sh.h});
-    MoeRunner<reference_policy> runner("reference", cfg);
+    if (!with_reference) return;
     if (o.inplace) {
       host_tensor xin = x;
-      runner.run(DispatchOutput{xin.view, {}, topk(weights.view, ids.view)}, quant_info(w13, w2, b13, b2), xin.view,
-                 {}, {});
+      run_reference(cfg, DispatchOutput{xin.view, {}, topk(weights.view, ids.view)}, quant_info(w13, w2, b13, b2),
+                    xin.view);
       std::memcpy(ref.view.data, xin.view.data, ref.view.bytes());
     } else {
-      runner.run(DispatchOutput{x.view, {}, topk(weights.view, ids.view)}, quant_info(w13, w2, b13, b2), ref.view,
-                 {}, {});
+      run_reference(cfg, DispatchOutput{x.view, {}, topk(weights.view, ids.view)}, quant_info(w13, w2, b13, b2),
+                    ref.view);
     }
   }
 

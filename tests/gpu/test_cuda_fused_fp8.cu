@@ -44,7 +44,7 @@ bool fp8_gpu() { return mr::gpu::wgmma_gemm_available(mr::gpu::current_device_fa
 // A problem of moe_problem's inputs with fp8 weights (scales of `scaling`) and the reference's
 // fp8 output.
 struct fp8_problem {
-  mr::test::moe_problem base;  // x, ids, weights, config (its unquantized reference is unused)
+  mr::test::moe_problem base;  // x, ids, weights, config (its unquantized reference left uncomputed)
   host_tensor w13, w2, s13, s2, ref;
   host_tensor xq, xs;  // with prequantized: x in e4m3 and its group scales
   bool prequantized;
@@ -53,7 +53,7 @@ struct fp8_problem {
   fp8_problem(const shape& s, mr::dtype t, const options& o, std::mt19937& rng, bool preq = false,
               std::optional<mr::MoeRunnerConfig> cfg = std::nullopt,
               mr::fp8_weight_scaling weight_scaling = mr::fp8_weight_scaling::block128)
-      : base(s, t, o, rng), prequantized(preq), scaling(weight_scaling) {
+      : base(s, t, o, rng, /*with_reference=*/false), prequantized(preq), scaling(weight_scaling) {
     if (cfg) base.cfg = *cfg;
     if (scaling == mr::fp8_weight_scaling::block128) {
       mr::test::quantize_e4m3_blocks(base.w13, 128, w13, s13);
@@ -66,16 +66,16 @@ struct fp8_problem {
     if (preq) mr::test::quantize_e4m3_blocks(base.x, 1, xq, xs);
     const mr::dtype out_type = preq ? mr::dtype::bf16 : t;
     ref = o.no_combine ? host_tensor(out_type, {s.m, s.k, s.h}) : host_tensor(out_type, {s.m, s.h});
-    mr::MoeRunner<mr::reference_policy> runner("reference", base.cfg);
     if (o.inplace) {
       host_tensor xin = base.x;
       with_quant(w13, s13, w2, s2, [&](const auto& q) {
-        runner.run(mr::DispatchOutput{xin.view, {}, base.topk(base.weights.view, base.ids.view)}, q, xin.view, {}, {});
+        mr::test::run_reference(base.cfg, mr::DispatchOutput{xin.view, {}, base.topk(base.weights.view, base.ids.view)},
+                                q, xin.view);
       });
       std::memcpy(ref.view.data, xin.view.data, ref.view.bytes());
     } else {
       with_quant(w13, s13, w2, s2, [&](const auto& q) {
-        runner.run(dispatch_of(base.x, xq, xs, base.weights, base.ids), q, ref.view, {}, {});
+        mr::test::run_reference(base.cfg, dispatch_of(base.x, xq, xs, base.weights, base.ids), q, ref.view);
       });
     }
   }

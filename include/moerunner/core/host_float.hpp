@@ -2,6 +2,7 @@
 // needs no CUDA headers and rounds exactly as the device intrinsics do (RNE).
 #pragma once
 
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -53,6 +54,17 @@ inline float e4m3_to_float(std::uint8_t v) {
   if (exp == 15 && man == 7) return std::numeric_limits<float>::quiet_NaN();
   if (exp == 0) return sign * std::ldexp(static_cast<float>(man), -9);
   return sign * std::ldexp(1.0f + static_cast<float>(man) / 8.0f, exp - 7);
+}
+
+// e4m3_to_float of every byte, for decoding whole weight rows (e4m3_to_float's ldexp costs
+// tens of nanoseconds, which a reference pass over a model's weights pays billions of times).
+inline const std::array<float, 256>& e4m3_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int v = 0; v < 256; ++v) t[v] = e4m3_to_float(static_cast<std::uint8_t>(v));
+    return t;
+  }();
+  return table;
 }
 
 // Saturating RNE conversion, as __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3).

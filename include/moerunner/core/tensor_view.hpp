@@ -10,7 +10,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
-#include <limits>
 #include <string>
 
 #include <cuda/std/mdspan>
@@ -45,11 +44,12 @@ inline std::string tensor_shape_problem(dtype t, memory_space sp, int rank, cons
     return "has rank " + std::to_string(rank) + ", outside [0, " + std::to_string(max_tensor_rank) + "]";
   for (int d = 0; d < rank; ++d)
     if (dims[d] < 0) return "dimension " + std::to_string(d) + " is negative (" + std::to_string(dims[d]) + ")";
+  // Checked multiplication, not a division per dimension: this runs for every tensor of every
+  // call, where divisions were most of the Python binding's own validation time.
   std::int64_t bytes = static_cast<std::int64_t>(dtype_size(t));
   for (int d = 0; d < rank; ++d) {
     const std::int64_t n = dims[d] > 0 ? dims[d] : 1;
-    if (bytes > std::numeric_limits<std::int64_t>::max() / n) return "spans more bytes than int64 can count";
-    bytes *= n;
+    if (__builtin_mul_overflow(bytes, n, &bytes)) return "spans more bytes than int64 can count";
   }
   return {};
 }

@@ -28,6 +28,27 @@ inline float load_as_float(const tensor_view& t, std::int64_t i) {
   return 0.0f;
 }
 
+// Elements [first, first + n) of t as floats, load_as_float's values with one dtype switch for
+// the whole run.
+inline void load_run_as_float(const tensor_view& t, std::int64_t first, std::int64_t n, float* dst) {
+  switch (t.type) {
+    case dtype::f32: std::copy_n(t.ptr<const float>() + first, n, dst); return;
+    case dtype::bf16: {
+      const std::uint16_t* src = t.ptr<const std::uint16_t>() + first;
+      for (std::int64_t i = 0; i < n; ++i) dst[i] = host_float::bf16_to_float(src[i]);
+      return;
+    }
+    case dtype::f8_e4m3: {
+      const std::uint8_t* src = t.ptr<const std::uint8_t>() + first;
+      const std::array<float, 256>& table = host_float::e4m3_table();
+      for (std::int64_t i = 0; i < n; ++i) dst[i] = table[src[i]];
+      return;
+    }
+    default:
+      for (std::int64_t i = 0; i < n; ++i) dst[i] = load_as_float(t, first + i);
+  }
+}
+
 // The warp-order sum of routing/topk_rules.hpp over the eligible experts, emulated lane by lane.
 inline float warp_order_sum(const float* v, const std::vector<char>& eligible, int n) {
   std::array<float, routing::warp_lanes> lane{};

@@ -44,16 +44,24 @@ inline void store_from_double(const tensor_view& t, std::int64_t i, double v) {
   }
 }
 
-// One expert's weight matrix [rows, cols] as doubles, times its fp8 scale where there is one.
+// One expert's weight matrix [rows, cols] as doubles, times its fp8 scale where there is one,
+// a row at a time.
 class expert_matrix {
  public:
   expert_matrix(const tensor_view& w, const tensor_view* scale, fp8_weight_scaling scaling, int expert)
       : w_(w), scale_(scale), scaling_(scaling), e_(expert) {}
-  double operator()(std::int64_t r, std::int64_t c) const {
+
+  // Row r into dst[0, cols): element c is the weight as a double times its scale (a float).
+  void row(std::int64_t r, std::vector<float>& staged, std::vector<double>& dst) const {
     const std::int64_t rows = w_.shape[1], cols = w_.shape[2];
-    double v = detail::load_as_float(w_, (e_ * rows + r) * cols + c);
-    if (scale_) v *= scale_->ptr<const float>()[fp8_weight_scale_index(scaling_, e_, r, c, rows, cols)];
-    return v;
+    staged.resize(static_cast<std::size_t>(cols));
+    dst.resize(static_cast<std::size_t>(cols));
+    detail::load_run_as_float(w_, (e_ * rows + r) * cols, cols, staged.data());
+    for (std::int64_t c = 0; c < cols; ++c) {
+      double v = staged[c];
+      if (scale_) v *= scale_->ptr<const float>()[fp8_weight_scale_index(scaling_, e_, r, c, rows, cols)];
+      dst[c] = v;
+    }
   }
 
  private:
@@ -124,6 +132,8 @@ class reference_policy {
     const int rows_per_token = cfg_.no_combine() ? k : 1;
     std::vector<double> result(static_cast<std::size_t>(rows_per_token) * h);
     std::vector<double> act(inter);
+    std::vector<float> staged;  // one weight row as stored, then as doubles times its scales
+    std::vector<double> wrow;
     for (std::int64_t t = 0; t < m; ++t) {
       std::vector<double> x0 = load_row(d, t);
       // fp8: the token's row is quantized once (per 128 values), whatever its slots; a router
@@ -145,11 +155,13 @@ class reference_policy {
           const std::int64_t gate_row = w13_row(cfg_.gate_up_layout(), 0, i, inter);
           const std::int64_t up_row = w13_row(cfg_.gate_up_layout(), 1, i, inter);
           double gate = bias(b13, e * rows13 + gate_row), up = 0.0;
-          for (int c = 0; c < h; ++c) gate += a(gate_row, c) * x[c];
+          a.row(gate_row, staged, wrow);
+          for (int c = 0; c < h; ++c) gate += wrow[c] * x[c];
           gate *= sum_scale;
           if (cfg_.is_gated()) {
             up = bias(b13, e * rows13 + up_row);
-            for (int c = 0; c < h; ++c) up += a(up_row, c) * x[c];
+            a.row(up_row, staged, wrow);
+            for (int c = 0; c < h; ++c) up += wrow[c] * x[c];
             up *= sum_scale;
           }
           act[i] = reference::apply_activation(cfg_.act(), cfg_.is_gated(), gate, up);
@@ -159,7 +171,8 @@ class reference_policy {
         double* dst = result.data() + (cfg_.no_combine() ? j : 0) * h;
         for (int r = 0; r < h; ++r) {
           double acc = bias(b2, static_cast<std::int64_t>(e) * h + r);
-          for (int i = 0; i < inter; ++i) acc += b(r, i) * act[i];
+          b.row(r, staged, wrow);
+          for (int i = 0; i < inter; ++i) acc += wrow[i] * act[i];
           dst[r] += acc * row_scale;
         }
       }
