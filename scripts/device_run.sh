@@ -12,7 +12,7 @@
 #
 #   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,peer,ep,python,plot,profile]
 #                         [--archs 90a] [--cuda-args "..."] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
-#                         [--sanitize-seconds N]
+#                         [--sanitize-seconds N] [--targets LIST] [--tests LIST] [--test-seconds N]
 #                         [--profile-cells "Shape:M,..."] [--profile-backends "a,b"] [--profile-source]
 #                         [--baseline DIR] [--peer DIR] [--pack]
 #
@@ -32,6 +32,12 @@
 #                      versions are compared on one machine (runs on different machines differ by 10-20%)
 #   --sanitizer-args   extra arguments passed to each GPU test under compute-sanitizer (e.g. a doctest filter;
 #                      split at spaces, so write a space inside a test name as ?: -tc=*own?combine*)
+#   --targets LIST     build only these Ninja targets, comma-separated (default: everything), e.g.
+#                      tests/gpu/test_cuda_fused_fp8,bench/moe_bench: a fresh machine's full build
+#                      takes ~150 s of a 10-minute call; steps then find only what was built
+#   --tests LIST       the test step runs only these tests (Meson test names, comma-separated, e.g.
+#                      test_cuda_fused_fp8,conformance_test; default: every test of each suite)
+#   --test-seconds N   the most the GPU suite may take (default 150; the CPU suite's cap stays 150)
 #   --sanitize-seconds N  the most each compute-sanitizer run may take (default 240; racecheck of the
 #                      largest test program needs more than that: give it a call of its own,
 #                      --steps sanitize on the build a previous call left)
@@ -85,6 +91,9 @@ bench_args=""
 baseline=""
 sanitizer_args=""
 sanitize_seconds=240
+targets=""
+tests=""
+test_seconds=150
 profile_cells="Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1"
 profile_source=0
 profile_backends="cuda_fused"
@@ -102,6 +111,9 @@ while [[ $# -gt 0 ]]; do
     --baseline) baseline=$(cd "$2" && pwd) || exit 2; shift 2 ;;
     --sanitizer-args) sanitizer_args=$2; shift 2 ;;
     --sanitize-seconds) sanitize_seconds=$2; shift 2 ;;
+    --targets) targets=$2; shift 2 ;;
+    --tests) tests=$2; shift 2 ;;
+    --test-seconds) test_seconds=$2; shift 2 ;;
     --profile-cells) profile_cells=$2; shift 2 ;;
     --profile-source) profile_source=1; shift ;;
     --profile-backends) profile_backends=$2; shift 2 ;;
@@ -112,6 +124,9 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ "$sanitize_seconds" =~ ^[0-9]+$ ]] || { echo "device_run: --sanitize-seconds takes whole seconds" >&2; exit 2; }
+[[ "$test_seconds" =~ ^[0-9]+$ ]] || { echo "device_run: --test-seconds takes whole seconds" >&2; exit 2; }
+IFS=, read -r -a target_list <<< "$targets"
+IFS=, read -r -a test_list <<< "$tests"
 mkdir -p "$out_dir/logs"
 out_dir=$(cd "$out_dir" && pwd)
 results=${results:-$out_dir/h200.jsonl}
@@ -215,7 +230,7 @@ if has_step build; then
       "${meson[@]}" setup --reconfigure "$build" "$root" "${setup_args[@]:2}"
     else
       "${meson[@]}" setup "$build" "$root" "${setup_args[@]}"
-    fi && timeout "$t" ninja -C "$build" -j "$jobs"
+    fi && timeout "$t" ninja -C "$build" -j "$jobs" "${target_list[@]}"
   } > "$logs/build.log" 2>&1
   rc=$?
   if [[ $rc -eq 0 ]]; then
@@ -231,13 +246,32 @@ if has_step test; then
   for suite in gpu cpu; do
     # The gpu suite leaves the cpu suite 20 s; both leave the later steps what they need.
     extra=0
-    [[ $suite == gpu ]] && extra=20
-    t=$(step_timeout 150 $(( $(reserve_after test) + extra )))
+    cap=150
+    [[ $suite == gpu ]] && { extra=20; cap=$test_seconds; }
+    t=$(step_timeout "$cap" $(( $(reserve_after test) + extra )))
     out_of_time "test-$suite" "$t" && continue
     note "test: meson test --suite $suite (up to ${t}s)"
     rm -f "$build/meson-logs/testlog.json"
     # --no-rebuild: the build step owns compiling, so a slow build cannot eat the tests' time.
-    timeout "$t" "${meson[@]}" test -C "$build" --no-rebuild --suite "$suite" --print-errorlogs \
+    # With --tests or --targets, only the tests of this suite that were asked for and built
+    # (none: the suite is skipped).
+    named=()
+    if (( ${#test_list[@]} || ${#target_list[@]} )); then
+      mapfile -t named < <("${meson[@]}" introspect "$build" --tests 2>/dev/null | python3 -c '
+import json, os, sys
+want, suite = set(filter(None, sys.argv[1].split(","))), sys.argv[2]
+for t in json.load(sys.stdin):
+    if ((not want or t["name"] in want) and os.path.exists(t["cmd"][0])
+            and any(s == suite or s.endswith(":" + suite) for s in t["suite"])):
+        print(t["name"])
+' "$tests" "$suite")
+      if (( ${#named[@]} == 0 )); then
+        record "test-$suite" skipped "no test of this suite asked for (--tests) and built (--targets)"
+        note "test $suite: skipped, none asked for and built"
+        continue
+      fi
+    fi
+    timeout "$t" "${meson[@]}" test -C "$build" --no-rebuild --suite "$suite" --print-errorlogs "${named[@]}" \
       > "$logs/test-$suite.log" 2>&1
     rc=$?
     cp "$build/meson-logs/testlog.json" "$logs/testlog-$suite.json" 2>/dev/null || true
@@ -266,11 +300,14 @@ if has_step sanitize; then
     record sanitize skipped "compute-sanitizer not found"
   elif ! out_of_time sanitize "$t"; then
     mapfile -t gpu_tests < <("${meson[@]}" introspect "$build" --tests 2>/dev/null | python3 -c '
-import json, sys
+import json, os, sys
+want = set(filter(None, sys.argv[1].split(",")))
 for t in json.load(sys.stdin):
-    if any(s == "gpu" or s.endswith(":gpu") for s in t["suite"]):
+    # A test not built (--targets) or not asked for (--tests) is left out.
+    if (any(s == "gpu" or s.endswith(":gpu") for s in t["suite"]) and os.path.exists(t["cmd"][0])
+            and (not want or t["name"] in want)):
         print(t["name"] + "\t" + t["cmd"][0])
-')
+' "$tests")
     note "sanitize: memcheck and racecheck over ${#gpu_tests[@]} GPU test executable(s), concurrently, up to ${t}s each"
     pids=()
     labels=()

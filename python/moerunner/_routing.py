@@ -21,5 +21,6 @@ def topk(router_logits, *, top_k, num_fused_shared_experts=0, correction_bias=No
         topk_weights = empty(router_logits, shape, "f32", "topk_weights")
     if topk_ids is None:
         topk_ids = empty(router_logits, shape, "i32", "topk_ids")
-    _moerunner.topk(router_logits, topk_weights, topk_ids, correction_bias, stream, top_k=top_k, num_fused_shared_experts=num_fused_shared_experts, **options)
+    _moerunner.topk(router_logits, topk_weights, topk_ids, correction_bias, stream, top_k=top_k,
+                    num_fused_shared_experts=num_fused_shared_experts, **options)
     return topk_weights, topk_ids

@@ -16,11 +16,6 @@ namespace moerunner::python {
 
 namespace {
 
-// The Python stream argument as an int, for what tensor_args::stream leaves to Python.
-nb::object python_stream(nb::handle stream, nb::handle like) {
-  return nb::module_::import_("moerunner._arrays").attr("stream_handle")(stream, like);
-}
-
 moe_config_params make_params(int num_experts, int hidden_size, int intermediate_size, int top_k,
                               int num_local_experts, std::string_view act, float alpha, float limit, bool is_gated,
                               std::string_view layout, bool apply_router_weight_on_input,
@@ -111,7 +106,7 @@ class runner {
     const tensor_view b2_view = views.optional(b2, "b2");
     const tensor_view s13 = views.optional(w13_scale, "w13_scale");
     const tensor_view s2 = views.optional(w2_scale, "w2_scale");
-    const std::uintptr_t on_stream = views.stream(stream, [&](nb::handle st) { return python_stream(st, x); });
+    const std::uintptr_t on_stream = views.stream(stream, x);
     if (fp8) {
       MOE_EXPECT(b13_view.empty_view() && b2_view.empty_view(), where,
                  "b13 and b2 go with unquantized weights; fp8 weights take no biases");

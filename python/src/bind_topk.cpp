@@ -46,10 +46,7 @@ void topk(nb::handle logits, nb::handle topk_weights, nb::handle topk_ids, nb::h
     nb::gil_scoped_release unlocked;
     reference::topk(logits_view, bias_ptr, cfg, out);
   } else {
-    const std::uintptr_t on_stream = views.stream(stream, [&](nb::handle s) {
-      return nb::module_::import_("moerunner._arrays").attr("stream_handle")(s, logits);
-    });
-    device_topk(logits_view, bias_ptr, cfg, out, on_stream, views.device());
+    device_topk(logits_view, bias_ptr, cfg, out, views.stream(stream, logits), views.device());
   }
 }
 

@@ -87,10 +87,9 @@ class tensor_args {
 
   // The cudaStream_t to run on. An int is taken as it is; None is the current stream of the
   // framework the device tensors came from (through its exchange API where it has one) and 0
-  // for host tensors; `fallback(stream)` resolves the rest (stream objects, frameworks without
-  // the API) in Python. Call after every array has been converted.
-  template <class Fallback>
-  std::uintptr_t stream(nb::handle s, Fallback&& fallback) const {
+  // for host tensors; moerunner._arrays.stream_handle(s, like) resolves the rest (stream
+  // objects, frameworks without the API) in Python. Call after every array has been converted.
+  std::uintptr_t stream(nb::handle s, nb::handle like) const {
     if (PyLong_CheckExact(s.ptr())) return stream_handle(s);
     if (s.is_none() && device_ < 0) return 0;
     if (s.is_none() && stream_api_ != nullptr && stream_api_->current_work_stream != nullptr) {
@@ -103,7 +102,7 @@ class tensor_args {
       }
       return reinterpret_cast<std::uintptr_t>(current);
     }
-    return stream_handle(fallback(s));
+    return stream_handle(nb::module_::import_("moerunner._arrays").attr("stream_handle")(s, like));
   }
 
  private:

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include <cuda_runtime_api.h>
@@ -120,17 +121,29 @@ inline int current_sm_count_or_zero() noexcept {
   return n;
 }
 
+// The current device's facts. Every run asks for them and they never change for a device, so
+// each device's are queried once (four attribute queries and the kernel image's) and kept.
 inline device_facts current_device_facts() {
-  device_facts f;
-  int major = 0, minor = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&f.device));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, f.device));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, f.device));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, f.device));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&f.l2_bytes, cudaDevAttrL2CacheSize, f.device));
-  f.arch = major * 10 + minor;
-  f.code_arch = kernel_code_arch(f.device);
-  return f;
+  int device = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  const auto query = [device] {
+    device_facts f;
+    int major = 0, minor = 0;
+    f.device = device;
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, device));
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&f.l2_bytes, cudaDevAttrL2CacheSize, device));
+    f.arch = major * 10 + minor;
+    f.code_arch = kernel_code_arch(device);
+    return f;
+  };
+  constexpr int cached_devices = 64;
+  if (device < 0 || device >= cached_devices) return query();
+  static std::array<std::once_flag, cached_devices> once;
+  static std::array<device_facts, cached_devices> facts;
+  std::call_once(once[device], [&] { facts[device] = query(); });  // a throw leaves it to the next call
+  return facts[device];
 }
 
 // ---------------------------------------------------------------------------------------------
