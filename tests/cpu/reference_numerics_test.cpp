@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -387,6 +388,9 @@ TEST_CASE("the host conversions the inputs are built with are exact") {
   for (int c = 0; c < 256; ++c) {
     const auto q = static_cast<std::uint8_t>(c);
     const double v = mr::cpu_test::decode_e4m3(q);
+    // The reference decodes weight rows through the table: the same bits as the function.
+    CHECK(std::bit_cast<std::uint32_t>(mr::host_float::e4m3_table()[c]) ==
+          std::bit_cast<std::uint32_t>(mr::host_float::e4m3_to_float(q)));
     if (std::isnan(v)) {
       CHECK(std::isnan(mr::host_float::e4m3_to_float(q)));
     } else {
@@ -405,6 +409,25 @@ TEST_CASE("the host conversions the inputs are built with are exact") {
     CHECK(mr::cpu_test::decode_bf16(mr::host_float::float_to_bf16(y)) ==
           static_cast<double>(static_cast<float>(std::nearbyint(std::ldexp(double(y), -int(std::ilogb(y)) + 7)) *
                                                   std::ldexp(1.0, int(std::ilogb(y)) - 7))));
+  }
+}
+
+TEST_CASE("a run of elements decodes as each element does, in every dtype") {
+  // load_run_as_float (the reference's weight rows) against load_as_float, on random bits.
+  std::mt19937 rng(9);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (mr::dtype t : {mr::dtype::f32, mr::dtype::bf16, mr::dtype::f16, mr::dtype::f8_e4m3, mr::dtype::i32}) {
+    CAPTURE(std::string(mr::dtype_name(t)));
+    std::vector<unsigned char> bytes(64 * mr::dtype_size(t));
+    for (unsigned char& b : bytes) b = static_cast<unsigned char>(byte(rng));
+    const mr::tensor_view v = mr::tensor_view::contiguous(bytes.data(), t, {64}, mr::memory_space::host);
+    std::vector<float> run(40);
+    mr::reference::detail::load_run_as_float(v, 7, 40, run.data());
+    for (int i = 0; i < 40; ++i) {
+      const float one = mr::reference::detail::load_as_float(v, 7 + i);
+      CHECK((std::bit_cast<std::uint32_t>(run[i]) == std::bit_cast<std::uint32_t>(one) ||
+             (std::isnan(run[i]) && std::isnan(one))));
+    }
   }
 }
 
