@@ -75,7 +75,7 @@ class MoeRunner:
         workspace_bytes(M) bytes in the backend's memory space; None allocates it through
         torch for torch tensors. stream: an int cudaStream_t, an object with __cuda_stream__
         or cuda_stream, or None (torch's current stream for CUDA torch tensors, else 0).
-        Arrays whose type has DLPack's C exchange API (torch >= 2.10) are read through it,
+        Arrays whose type has DLPack's C exchange API (torch >= 2.11) are read through it,
         without a Python call; others through __dlpack__.
         status: an int32 [2] device array a cuda_fused run adds bad expert ids to
         (bad_slots, first_bad_slot). Nothing synchronizes. Returns out.

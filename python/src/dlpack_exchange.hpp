@@ -1,6 +1,6 @@
 // DLPack's C exchange API (DLPack 1.3): a framework's array type may carry
 // `__dlpack_c_exchange_api__`, a capsule named "dlpack_exchange_api" over a table of C functions
-// that describe one of its arrays without a Python call (torch >= 2.10 does). An array argument
+// that describe one of its arrays without a Python call (torch >= 2.11 does). An array argument
 // then costs tens of nanoseconds instead of the microseconds of `__dlpack__()`, and the table
 // also names the framework's current stream. Declared here from the DLPack specification, as
 // nanobind declares DLTensor: the package needs no framework headers to build.

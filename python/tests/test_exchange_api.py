@@ -100,7 +100,7 @@ def test_device_arrays_on_two_devices_are_refused(rng):
 
 
 def test_torch_tensors_never_call_dlpack(rng, monkeypatch):
-    """torch >= 2.10 carries the table: a run on its tensors makes no __dlpack__ call, the
+    """torch >= 2.11 carries the table: a run on its tensors makes no __dlpack__ call, the
     microseconds per tensor that the table saves."""
     torch = pytest.importorskip("torch")
     if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
