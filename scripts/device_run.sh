@@ -158,6 +158,18 @@ reserve_after() {
   (( sum > 150 )) && sum=150
   echo "$sum"
 }
+# asked_tests SUITE: "name<TAB>executable" of each test of SUITE that is built (--targets may
+# leave some out) and named by --tests (every one without --tests).
+asked_tests() {
+  "${meson[@]}" introspect "$build" --tests 2>/dev/null | python3 -c '
+import json, os, sys
+want, suite = set(filter(None, sys.argv[1].split(","))), sys.argv[2]
+for t in json.load(sys.stdin):
+    if ((not want or t["name"] in want) and os.path.exists(t["cmd"][0])
+            and any(s == suite or s.endswith(":" + suite) for s in t["suite"])):
+        print(t["name"] + "\t" + t["cmd"][0])
+' "$tests" "$1"
+}
 note() { printf '[device_run %4ds] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 # record STEP RESULT DETAIL: one line per step for the summary.
 record() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$status_file"; [[ "$2" == ok || "$2" == skipped ]] || overall=1; }
@@ -257,14 +269,7 @@ if has_step test; then
     # (none: the suite is skipped).
     named=()
     if (( ${#test_list[@]} || ${#target_list[@]} )); then
-      mapfile -t named < <("${meson[@]}" introspect "$build" --tests 2>/dev/null | python3 -c '
-import json, os, sys
-want, suite = set(filter(None, sys.argv[1].split(","))), sys.argv[2]
-for t in json.load(sys.stdin):
-    if ((not want or t["name"] in want) and os.path.exists(t["cmd"][0])
-            and any(s == suite or s.endswith(":" + suite) for s in t["suite"])):
-        print(t["name"])
-' "$tests" "$suite")
+      mapfile -t named < <(asked_tests "$suite" | cut -f1)
       if (( ${#named[@]} == 0 )); then
         record "test-$suite" skipped "no test of this suite asked for (--tests) and built (--targets)"
         note "test $suite: skipped, none asked for and built"
@@ -299,15 +304,7 @@ if has_step sanitize; then
   if [[ -z "$sanitizer" ]]; then
     record sanitize skipped "compute-sanitizer not found"
   elif ! out_of_time sanitize "$t"; then
-    mapfile -t gpu_tests < <("${meson[@]}" introspect "$build" --tests 2>/dev/null | python3 -c '
-import json, os, sys
-want = set(filter(None, sys.argv[1].split(",")))
-for t in json.load(sys.stdin):
-    # A test not built (--targets) or not asked for (--tests) is left out.
-    if (any(s == "gpu" or s.endswith(":gpu") for s in t["suite"]) and os.path.exists(t["cmd"][0])
-            and (not want or t["name"] in want)):
-        print(t["name"] + "\t" + t["cmd"][0])
-' "$tests")
+    mapfile -t gpu_tests < <(asked_tests gpu)
     note "sanitize: memcheck and racecheck over ${#gpu_tests[@]} GPU test executable(s), concurrently, up to ${t}s each"
     pids=()
     labels=()

@@ -23,8 +23,7 @@ void topk(nb::handle logits, nb::handle topk_weights, nb::handle topk_ids, nb::h
   // The logits' memory picks the implementation, whose name the messages carry.
   tensor_args views("topk");
   const dl_array logits_array = views.import(logits, "router_logits");
-  const bool host_logits = logits_array.device_type == nb::device::cpu::value ||
-                           logits_array.device_type == nb::device::cuda_host::value;
+  const bool host_logits = logits_array.on_host();
   const char* where = host_logits ? "reference::topk" : "gpu::topk";
   views.set_where(where);
   const tensor_view logits_view = views.view(logits_array, "router_logits");

@@ -45,6 +45,12 @@ struct dl_array {
   const std::int64_t* shape = nullptr;
   const std::int64_t* strides = nullptr;  // in elements; null: row-major
   void* data = nullptr;                   // the first element (DLPack's byte offset applied)
+
+  // Host memory, pinned included; CUDA device memory, managed included. Neither: refused.
+  bool on_host() const { return device_type == nb::device::cpu::value || device_type == nb::device::cuda_host::value; }
+  bool on_cuda_device() const {
+    return device_type == nb::device::cuda::value || device_type == nb::device::cuda_managed::value;
+  }
 };
 
 // Converts a call's array arguments, checking that its device tensors share one device, and
@@ -158,7 +164,7 @@ class tensor_args {
   // Where a device tensor lives, checked against the call's other device tensors; the first
   // device tensor read through an exchange API names the framework whose stream None means.
   void note_device(const dl_array& a, const char* what, const dlpack_exchange_api* api) {
-    if (a.device_type != nb::device::cuda::value && a.device_type != nb::device::cuda_managed::value) return;
+    if (!a.on_cuda_device()) return;
     if (device_ < 0) device_ = a.device_id;
     MOE_EXPECT(a.device_id == device_, where_,
                std::string(what) + " is on CUDA device " + std::to_string(a.device_id) +
@@ -181,17 +187,10 @@ class tensor_args {
   }
 
   memory_space space_of(const dl_array& a, const char* what) const {
-    switch (a.device_type) {
-      case nb::device::cpu::value:
-      case nb::device::cuda_host::value:  // pinned host memory
-        return memory_space::host;
-      case nb::device::cuda::value:
-      case nb::device::cuda_managed::value:
-        return memory_space::device;
-      default:
-        detail::throw_invalid(where_, std::string(what) + " lives on DLPack device type " +
-                                          std::to_string(a.device_type) + "; moerunner takes host and CUDA memory");
-    }
+    if (a.on_host()) return memory_space::host;
+    if (a.on_cuda_device()) return memory_space::device;
+    detail::throw_invalid(where_, std::string(what) + " lives on DLPack device type " + std::to_string(a.device_type) +
+                                      "; moerunner takes host and CUDA memory");
   }
 
   const char* where_;

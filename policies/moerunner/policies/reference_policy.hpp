@@ -132,8 +132,8 @@ class reference_policy {
     const int rows_per_token = cfg_.no_combine() ? k : 1;
     std::vector<double> result(static_cast<std::size_t>(rows_per_token) * h);
     std::vector<double> act(inter);
-    std::vector<float> staged;  // one weight row as stored, then as doubles times its scales
-    std::vector<double> wrow;
+    std::vector<float> staged;  // one weight row as floats (expert_matrix::row's scratch)
+    std::vector<double> wrow;   // the same row as doubles times its scales
     for (std::int64_t t = 0; t < m; ++t) {
       std::vector<double> x0 = load_row(d, t);
       // fp8: the token's row is quantized once (per 128 values), whatever its slots; a router
