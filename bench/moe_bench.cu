@@ -21,7 +21,9 @@
 // to half of it of GEMM2's first weights after its own first copies), cuda_fused_prefetch_end
 // (the same once GEMM1's CTAs have issued their last copies), cuda_fused_l2plain (weight copies
 // neither evict-first nor 256-byte), cuda_fused_nofetch256 (never 256-byte) and
-// cuda_fused_fetch256 (always 256-byte), which measure one choice each.
+// cuda_fused_fetch256 (always 256-byte), which measure one choice each; and of cuda_fused_fp8,
+// on request: cuda_fused_fp8_wgmma (single wgmma CTAs at every M: neither the stream GEMMs nor
+// pairs) and cuda_fused_fp8_single (never pairs of CTAs).
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -122,6 +124,8 @@ struct backend_variant {
   // cuda_fused with the stream GEMMs: their use of L2 (unset: the policy's)
   std::optional<mr::gpu::stream_l2_use> stream_l2 = std::nullopt;
   bool batch_invariant = false;
+  // cuda_fused_fp8: the stream GEMMs, and pairs of wgmma CTAs, forced on or off (unset: its plan's rules)
+  std::optional<bool> fp8_stream = std::nullopt, fp8_pairs = std::nullopt;
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -148,6 +152,10 @@ constexpr backend_variant backend_variants[] = {
      true, mr::gpu::stream_l2_use{.fetch_256_min_k_tiles = 1 << 30}},
     {"cuda_fused_fetch256", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
      true, mr::gpu::stream_l2_use{.fetch_256_min_k_tiles = 0}},
+    {"cuda_fused_fp8_wgmma", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, std::nullopt, false, false, false},
+    {"cuda_fused_fp8_single", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0,
+     std::nullopt, true, std::nullopt, false, std::nullopt, false},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -642,6 +650,9 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           if (variant->dependent) core.set_dependent_launch(*variant->dependent);
           core.set_plan_in_gemms(variant->plan_in_gemms);
           if (variant->stream_l2) core.set_stream_l2(*variant->stream_l2);
+        } else if constexpr (requires { core.set_stream_gemms(variant->fp8_stream); }) {
+          core.set_stream_gemms(variant->fp8_stream);
+          core.set_pairs(variant->fp8_pairs);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

@@ -11,7 +11,7 @@
 # See CONTRIBUTING.md, "Running on a GPU machine".
 #
 #   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,peer,ep,python,plot,profile]
-#                         [--archs 90a] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
+#                         [--archs 90a] [--cuda-args "..."] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
 #                         [--sanitize-seconds N] [--targets LIST] [--tests LIST] [--test-seconds N]
 #                         [--profile-cells "Shape:M,..."] [--profile-backends "a,b"] [--profile-source]
 #                         [--baseline DIR] [--peer DIR] [--pack]
@@ -21,6 +21,8 @@
 #   --steps LIST       any of build,test,sanitize,bench,torch,peer,ep,python,plot,profile (default: all
 #                      but ep, python and profile; later steps reuse the build)
 #   --archs LIST       gpu_archs for Meson (default: 90a; e.g. 80,90a)
+#   --cuda-args ARGS   Meson's cuda_args for this build (default none), e.g.
+#                      "-DMOERUNNER_BARRIER_WATCHDOG" (a stalled mbarrier wait prints where and traps)
 #   --jobs N           parallel compile jobs (default: all cores)
 #   --budget SECONDS   wall-clock budget for the whole run (default 570); each step gets what is left
 #   --bench-args ARGS  extra arguments for moe_bench and torch_grouped_mm.py filters (--shapes/--tokens)
@@ -82,6 +84,7 @@ results=""
 steps="build,test,sanitize,bench,torch,peer,plot"
 peer_dir=""
 archs="90a"
+cuda_args=""
 jobs=$(nproc)
 budget=570
 bench_args=""
@@ -101,6 +104,7 @@ while [[ $# -gt 0 ]]; do
     --results) results=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
     --archs) archs=$2; shift 2 ;;
+    --cuda-args) cuda_args=$2; shift 2 ;;
     --jobs) jobs=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
     --bench-args) bench_args=$2; shift 2 ;;
@@ -221,7 +225,7 @@ if has_step build; then
   # Meson's boost finder reads boost_root from a machine file; the path must be absolute here.
   printf "[properties]\nboost_root = '%s'\n" "$deps" > "$deps/native.ini"
   setup_args=(--native-file "$deps/native.ini" "-Dboost_include=.deps/include" "-Dpkg_config_path=$deps/lib/pkgconfig" "-Dcmake_prefix_path=$deps"
-              "-Dgpu_archs=$archs" -Dbuildtype=release -Dtests=enabled)
+              "-Dgpu_archs=$archs" -Dbuildtype=release -Dtests=enabled "-Dcuda_args=$cuda_args")
   # Meson does not always track the headers a CUDA object includes: when any header changed
   # since the last build here, drop the CUDA objects so they are compiled again.
   header_sum=$(find "$root/include" "$root/kernels" "$root/policies" "$root/tests" "$root/bench" -type f \

@@ -25,6 +25,18 @@ g::fused_plan plan_of(moe_config_params p, std::int64_t m, g::device_target dev 
   return g::make_fused_plan(MoeRunnerConfig(p), s, m, dev);
 }
 
+g::fused_settings with_gather(bool on) {
+  g::fused_settings s;
+  s.gather_a = on;
+  return s;
+}
+
+g::fused_settings with_tuning(g::gemm_tuning_choice t) {
+  g::fused_settings s;
+  s.tuning = t;
+  return s;
+}
+
 // The pieces follow each other, 256-byte aligned, and the total holds them and the start's slack.
 void check_layout(const g::fused_plan& p, const moe_config_params& c) {
   const g::fused_workspace& w = p.workspace;
@@ -33,8 +45,16 @@ void check_layout(const g::fused_plan& p, const moe_config_params& c) {
   CHECK(w.schedule == w.plan + w.plan_bytes);
   CHECK(w.act == w.schedule + w.schedule_bytes);
   CHECK(w.rows == w.act + w.act_bytes);
-  CHECK(w.total == w.rows + w.rows_bytes + g::plan_piece_alignment);
-  for (std::size_t off : {w.schedule, w.act, w.rows}) CHECK(off % g::plan_piece_alignment == 0);
+  CHECK(w.gathered == w.rows + w.rows_bytes);
+  CHECK(w.total == w.gathered + w.gathered_bytes + g::plan_piece_alignment);
+  for (std::size_t off : {w.schedule, w.act, w.rows, w.gathered}) CHECK(off % g::plan_piece_alignment == 0);
+  // x's rows gathered for GEMM1's TMA loads with the 128-row wgmma tiles only (prefill), where I
+  // is long enough for the copy to be cheap.
+  const bool large =
+      p.family == g::gemm_family::wgmma && (p.tile == g::sm90_tile::m128 || p.tile == g::sm90_tile::m128x2);
+  CHECK(p.gather_a == (large && p.num_tokens > 0 && c.intermediate_size >= g::gather_a_min_intermediate));
+  if (p.gather_a) CHECK(w.gathered_bytes >= slots * static_cast<std::size_t>(c.hidden_size) * 2);
+  else CHECK(w.gathered_bytes == 0);
   CHECK(w.act_bytes >= slots * static_cast<std::size_t>(c.intermediate_size) * 2);
   const std::size_t row_elems = slots * static_cast<std::size_t>(c.hidden_size);
   switch (p.down) {
@@ -70,8 +90,20 @@ TEST_CASE("default runs: stream GEMMs with the schedule built in them at decode,
   CHECK(big.down_k_splits == 1);
   CHECK_FALSE(big.dependent_launch);
   check_layout(big, mixtral());
+  CHECK(big.gather_a);
   const std::string line = big.describe();
   CHECK(line.find("wgmma m128x2") != std::string::npos);
+  CHECK(line.find("A gathered for TMA") != std::string::npos);
+  // Forced either way (the setting only measures it); never on the other families.
+  CHECK_FALSE(plan_of(mixtral(), 4096, h200, with_gather(false)).gather_a);
+  CHECK(plan_of(mixtral(), 64, h200, with_gather(true)).gather_a);
+  CHECK_FALSE(plan_of(qwen3(), 1, h200, with_gather(true)).gather_a);
+  // Short I: the large tiles without the copy (4H bytes per slot against GEMM1's 4IH flops).
+  const g::fused_plan short_i = plan_of(qwen3(), 4096);
+  CHECK((short_i.tile == g::sm90_tile::m128 || short_i.tile == g::sm90_tile::m128x2));
+  CHECK_FALSE(short_i.gather_a);
+  check_layout(short_i, qwen3());
+  CHECK(plan_of(qwen3(), 4096, h200, with_gather(true)).gather_a);
   CHECK(line.find("M=4096") != std::string::npos);
   CHECK(line.find(std::to_string(big.workspace.total)) != std::string::npos);
 }
@@ -156,11 +188,11 @@ TEST_CASE("the device decides the family: no device, sm_80 code, sm_90 code with
   CHECK(sm90.family == g::gemm_family::mma);
   // A forced tuning is planned as asked; the run checks the device can take it.
   const g::fused_plan forced =
-      plan_of(qwen3(), 64, {.code_arch = 80, .sm_count = 108}, {.tuning = g::gemm_tuning_choice::stream, .dependent_launch = std::nullopt});
+      plan_of(qwen3(), 64, {.code_arch = 80, .sm_count = 108}, with_tuning(g::gemm_tuning_choice::stream));
   CHECK(forced.family == g::gemm_family::stream);
   CHECK(forced.schedule_block_m == g::moe_gemm_min_block_m);
   const g::fused_plan m128 =
-      plan_of(qwen3(), 1, h200, {.tuning = g::gemm_tuning_choice::sm90_wgmma_m128, .dependent_launch = std::nullopt});
+      plan_of(qwen3(), 1, h200, with_tuning(g::gemm_tuning_choice::sm90_wgmma_m128));
   CHECK(m128.family == g::gemm_family::wgmma);
   CHECK(m128.tile == g::sm90_tile::m128);
 }
@@ -177,7 +209,7 @@ TEST_CASE("the workspace follows the device: one sized for a MIG slice is too sm
 }
 
 TEST_CASE("settings: dependent launches and the in-GEMM schedule as set") {
-  const g::fused_plan p = plan_of(qwen3(), 1, h200, {.dependent_launch = false, .plan_in_gemms = false});
+  const g::fused_plan p = plan_of(qwen3(), 1, h200, {.dependent_launch = false, .plan_in_gemms = false, .gather_a = std::nullopt});
   CHECK(p.family == g::gemm_family::stream);
   CHECK_FALSE(p.dependent_launch);
   CHECK_FALSE(p.schedule_in_gemms);
@@ -211,14 +243,17 @@ void check_fp8_layout(const g::fp8_plan& p, const moe_config_params& c) {
   CHECK(w.act == w.x_scale + w.x_scale_bytes);
   CHECK(w.act_scale == w.act + w.act_bytes);
   CHECK(w.rows == w.act_scale + w.act_scale_bytes);
-  CHECK(w.total == w.rows + w.rows_bytes + g::plan_piece_alignment);
-  for (std::size_t off : {w.schedule, w.x_q, w.x_scale, w.act, w.act_scale, w.rows})
+  CHECK(w.act_f32 == w.rows + w.rows_bytes);
+  CHECK(w.total == w.act_f32 + w.act_f32_bytes + g::plan_piece_alignment);
+  for (std::size_t off : {w.schedule, w.x_q, w.x_scale, w.act, w.act_scale, w.rows, w.act_f32})
     CHECK(off % g::plan_piece_alignment == 0);
+  if (p.stream) CHECK(w.act_f32_bytes >= slots * inter * 4);
+  else CHECK(w.act_f32_bytes == 0);
   CHECK(w.x_q_bytes >= m * h);
   CHECK(w.x_scale_bytes >= m * (h / 128) * 4);
   CHECK(w.act_bytes >= slots * inter);
   CHECK(w.act_scale_bytes >= slots * (inter / 128) * 4);
-  CHECK(w.schedule_bytes >= g::tile_schedule_bytes(static_cast<std::int64_t>(slots), c.num_experts, 64));
+  CHECK(w.schedule_bytes >= g::tile_schedule_bytes(static_cast<std::int64_t>(slots), c.num_experts, p.schedule_block_m));
   switch (p.down) {
     case g::down_store::rows: CHECK(w.rows_bytes >= slots * h * 2); break;
     case g::down_store::partials: CHECK(w.rows_bytes >= slots * h * 4 * static_cast<std::size_t>(p.down_k_splits)); break;
@@ -232,44 +267,108 @@ g::fp8_plan fp8_plan_of(moe_config_params p, std::int64_t m, g::device_target de
 
 }  // namespace
 
-TEST_CASE("fp8 plan: 64-row tiles, GEMM2 into the output, K split where items come in few waves, layouts consistent") {
+TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pairs of CTAs above 64 rows per expert, K split where items come in few waves") {
   for (const moe_config_params& c : {mixtral(), qwen3(), deepseek()})
     for (std::int64_t m : {0, 1, 7, 64, 512, 4096, 16384}) {
       CAPTURE(c.num_experts);
       CAPTURE(m);
       const g::fp8_plan p = fp8_plan_of(c, m);
-      CHECK(p.schedule_block_m == 64);
+      // Stream where the active experts average at most 4 rows, as cuda_fused decides, and the
+      // wgmma GEMM1 (128 act columns per item) would have items for under half the SMs; pairs
+      // of CTAs on 128-row tiles where the experts average more than 64 rows.
+      const std::int64_t slots = m * c.top_k, active = std::min<std::int64_t>(slots, c.num_experts);
+      const bool pair = active > 0 && slots > 64 * active;
+      const std::int64_t items = active * ((c.intermediate_size + 127) / 128);
+      CHECK(p.stream == (slots > 0 && slots <= 4 * active && 2 * items < h200.sm_count));
+      CHECK(p.schedule_block_m == (p.stream ? 8 : pair ? 128 : 64));
+      CHECK(p.cluster_m == (pair ? 2 : 1));
+      CHECK(p.schedule_in_gemms == (p.stream && slots <= 64));
       check_fp8_layout(p, c);
       CHECK(p.describe().find("cuda_fused_fp8 M=" + std::to_string(m)) == 0);
-      // A split keeps at least 4 K tiles of 128.
+      // A split keeps at least 4 K tiles of 128; the stream GEMMs never split across CTAs.
       CHECK(p.down_k_splits <= std::max(1, c.intermediate_size / 128 / 4));
-      if (m >= 512) CHECK(p.down_k_splits == 1);  // items in more than two waves
+      if (m >= 512 || p.stream) CHECK(p.down_k_splits == 1);  // items in more than two waves
     }
-  // DeepSeek-V3 at one token: 8 experts x 28 N tiles on 132 SMs take two item times; splitting
-  // K evens them out, and the parts meet in the output's reductions.
-  const g::fp8_plan d1 = fp8_plan_of(deepseek(), 1);
-  CHECK(d1.down_k_splits > 1);
-  CHECK(d1.down == g::down_store::accumulate);
-  CHECK(d1.clear_in_gemm1);
-  CHECK_FALSE(d1.combine_kernel);
+  // Of the benchmark's cells only Qwen3-30B-A3B at one token runs the stream GEMMs (8 experts x
+  // 6 act tiles: 48 wgmma items on 132 SMs); DeepSeek-V3 at one token would give 128, Mixtral-8x7B
+  // 224, and a 32-SM device part streams Qwen3 at no token count.
+  CHECK(fp8_plan_of(qwen3(), 1).stream);
+  for (std::int64_t m : {1, 8, 64}) {
+    CHECK_FALSE(fp8_plan_of(mixtral(), m).stream);
+    CHECK_FALSE(fp8_plan_of(deepseek(), m).stream);
+  }
+  CHECK_FALSE(fp8_plan_of(qwen3(), 8).stream);
+  CHECK_FALSE(fp8_plan_of(qwen3(), 1, {.code_arch = 90, .has_wgmma = true, .sm_count = 32}).stream);
+  // Mixtral-8x7B at 64 tokens: 8 experts' 64-row tiles x 16 N tiles come in two waves on 132
+  // SMs; splitting K evens them out, and the parts meet in the output's reductions.
+  const g::fp8_plan x64 = fp8_plan_of(mixtral(), 64);
+  CHECK(x64.down_k_splits > 1);
+  CHECK(x64.down == g::down_store::accumulate);
+  CHECK(x64.clear_in_gemm1);
+  CHECK_FALSE(x64.combine_kernel);
+}
+
+TEST_CASE("fp8 plan: the stream GEMMs and pairs forced on or off (for measuring one against the other)") {
+  const auto forced = [](const moe_config_params& c, std::int64_t m, g::fp8_settings s) {
+    const g::fp8_plan p = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, s);
+    check_fp8_layout(p, c);
+    return p;
+  };
+  // Decode on the wgmma tiles, prefill on the stream GEMMs (the schedule then from the plan kernel).
+  const g::fp8_plan wgmma_decode = forced(qwen3(), 1, {.stream = false, .pairs = std::nullopt});
+  CHECK_FALSE(wgmma_decode.stream);
+  CHECK(wgmma_decode.schedule_block_m == 64);
+  CHECK(wgmma_decode.workspace.act_f32_bytes == 0);
+  CHECK(wgmma_decode.describe().find("wgmma e4m3") != std::string::npos);
+  const g::fp8_plan stream_prefill = forced(mixtral(), 512, {.stream = true, .pairs = std::nullopt});
+  CHECK(stream_prefill.stream);
+  CHECK_FALSE(stream_prefill.schedule_in_gemms);  // 1024 slots: more than the GEMMs order themselves
+  CHECK(stream_prefill.schedule_block_m == 8);
+  CHECK(stream_prefill.describe().find("stream e4m3") != std::string::npos);
+  CHECK_FALSE(forced(mixtral(), 0, {.stream = true, .pairs = std::nullopt}).stream);  // nothing to run
+  // Pairs off where the rule pairs, on where it would not.
+  const g::fp8_plan single = forced(deepseek(), 4096, {.stream = std::nullopt, .pairs = false});
+  CHECK(single.cluster_m == 1);
+  CHECK(single.schedule_block_m == 64);
+  const g::fp8_plan paired = forced(mixtral(), 64, {.stream = std::nullopt, .pairs = true});
+  CHECK(paired.cluster_m == 2);
+  CHECK(paired.schedule_block_m == 128);
+  CHECK(forced(qwen3(), 1, {.stream = std::nullopt, .pairs = true}).stream);  // the stream GEMMs first, unless forced off
+  // Batch-invariant runs keep single wgmma CTAs whatever is asked.
+  moe_config_params inv = deepseek();
+  inv.batch_invariant = true;
+  const g::fp8_plan kept = forced(inv, 1, {.stream = true, .pairs = true});
+  CHECK_FALSE(kept.stream);
+  CHECK(kept.cluster_m == 1);
 }
 
 TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
-  moe_config_params det = deepseek();
+  moe_config_params det = mixtral();
   det.deterministic = true;
-  const g::fp8_plan d = fp8_plan_of(det, 1);
-  CHECK(d.down == g::down_store::partials);  // split K at decode: f32 parts summed in split order
+  const g::fp8_plan d = fp8_plan_of(det, 64);
+  CHECK(d.down == g::down_store::partials);  // split K: f32 parts summed in split order
   CHECK(d.combine_kernel);
   CHECK_FALSE(d.clear_in_gemm1);
   check_fp8_layout(d, det);
+  moe_config_params det_ds = qwen3();
+  det_ds.deterministic = true;
+  const g::fp8_plan ds = fp8_plan_of(det_ds, 1);  // stream: rows summed in slot order
+  CHECK(ds.stream);
+  CHECK(ds.down == g::down_store::rows);
+  CHECK(ds.combine_kernel);
+  check_fp8_layout(ds, det_ds);
   moe_config_params inv = deepseek();
   inv.batch_invariant = true;
   for (std::int64_t m : {1, 7, 64, 4096}) {
     const g::fp8_plan p = fp8_plan_of(inv, m);
+    CHECK_FALSE(p.stream);  // one kernel family, one K order, whatever the batch
     CHECK(p.down_k_splits == 1);
     CHECK(p.down == g::down_store::rows);
     CHECK(p.combine_kernel);
+    CHECK(p.schedule_block_m == 64);  // single CTAs at every M
+    CHECK(p.cluster_m == 1);
   }
+  CHECK(fp8_plan_of(deepseek(), 4096).schedule_block_m == 128);
   moe_config_params nc = mixtral();
   nc.no_combine = true;
   const g::fp8_plan s = fp8_plan_of(nc, 5);
@@ -279,10 +378,10 @@ TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
 }
 
 TEST_CASE("fp8 plan: the split count follows the device's SMs (workspace sized per device)") {
-  moe_config_params det = deepseek();
+  moe_config_params det = mixtral();
   det.deterministic = true;
   const g::device_target slice{.code_arch = 90, .has_wgmma = true, .sm_count = 16};
-  const g::fp8_plan whole = fp8_plan_of(det, 1), small = fp8_plan_of(det, 1, slice);
+  const g::fp8_plan whole = fp8_plan_of(det, 64), small = fp8_plan_of(det, 64, slice);
   CHECK(whole.down_k_splits != small.down_k_splits);
   CHECK(whole.workspace.total != small.workspace.total);
 }

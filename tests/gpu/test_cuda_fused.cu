@@ -56,6 +56,7 @@ struct launch_settings {
   std::optional<bool> dependent_launch = std::nullopt;
   bool plan_in_gemms = true;
   std::optional<mr::gpu::stream_l2_use> stream_l2 = std::nullopt;  // stream GEMMs (unset: the policy's)
+  std::optional<bool> gather_a = std::nullopt;  // wgmma GEMM1's A by TMA from gathered rows (unset: the plan's)
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -77,6 +78,7 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
         if (ls.dependent_launch) core.set_dependent_launch(*ls.dependent_launch);
         core.set_plan_in_gemms(ls.plan_in_gemms);
         if (ls.stream_l2) core.set_stream_l2(*ls.stream_l2);
+        if (ls.gather_a) core.set_gather_a(*ls.gather_a);
       }
     });
     size_workspace(p, ws_misalign);  // the K splits, and so the size, follow the tuning
@@ -359,6 +361,39 @@ TEST_CASE("cuda_fused with the stream GEMMs: L2 prefetch of GEMM2's weights and 
       // Atomic combine: every hint at once.
       on_device fast(p, tuning::stream, false, 0,
                      {.stream_l2 = mr::gpu::stream_l2_use{.prefetch_bytes = -1, .fetch_256_min_k_tiles = 0}});
+      compare(p, fast.run_once(p));
+    }
+}
+
+TEST_CASE("cuda_fused with the wgmma tiles: GEMM1's A by TMA from gathered rows or by cp.async, the same bits") {
+  // The same A rows reach the same wgmma either way (rows past a tile differ: zeros or the next
+  // tile's rows, whose results are never stored), so deterministic outputs keep their bits.
+  if (!mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts())) return;
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  const std::pair<shape, options> cases[] = {
+      {{300, 8, 2, odd_h, odd_i}, {}},                                // K not a multiple of the box
+      {{700, 8, 2, 512, 256}, {.ids = ids_kind::skewed}},             // pairs with empty halves
+      {{257, 4, 1, 256, 128}, {.weight_on_input = true}},             // rows carry the weights
+      {{200, 16, 4, 256, 256}, {.ids = ids_kind::random_filtered}},   // fewer rows than slots
+      {{130, 8, 2, 256, 256}, {.ids = ids_kind::one_expert, .interleaved = true}},
+      {{64, 8, 2, 256, 256}, {.gated = false, .inplace = true}},
+  };
+  const tuning wgmma_tiles[] = {tuning::sm90_wgmma_m64, tuning::sm90_wgmma_m64n128, tuning::sm90_wgmma_m128,
+                                tuning::sm90_wgmma_m128x2};
+  for (const auto& [sh, opt] : cases)
+    for (tuning tu : wgmma_tiles) {
+      const problem p(sh, mr::dtype::bf16, opt, rng);
+      CAPTURE(describe(sh, mr::dtype::bf16, opt, tu, true));
+      on_device copies(p, tu, true, 0, {.gather_a = false});
+      const host_tensor want = copies.run_once(p);
+      compare(p, want);
+      on_device tma(p, tu, true, 0, {.gather_a = true});
+      MOE_CUDA_CHECK(cudaMemset(tma.ws_buf.get(), 0xff, tma.ws_buf.bytes()));  // NaN past the gathered rows
+      const host_tensor got = tma.run_once(p);
+      CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);
+      on_device fast(p, tu, false, 0, {.gather_a = true});
       compare(p, fast.run_once(p));
     }
 }
@@ -742,7 +777,7 @@ TEST_CASE("cuda_fused batch_invariant: a token's bits do not depend on the batch
   }
 }
 
-TEST_CASE("cuda_fused workspace: the atomic mode needs no [M*k, H] rows") {
+TEST_CASE("cuda_fused workspace: the atomic mode needs no [M*k, H] rows, decode no gathered copy of x") {
   // I past gpu::plan_detail::rows_store_max_intermediate: the default keeps the reductions at every M.
   const mr::MoeRunnerConfig fast({.num_experts = 8, .hidden_size = 4096, .intermediate_size = 2048, .top_k = 2});
   mr::moe_config_params det_params = fast.params();
@@ -751,13 +786,19 @@ TEST_CASE("cuda_fused workspace: the atomic mode needs no [M*k, H] rows") {
   for (std::int64_t m : {1, 64, 4096}) {
     const std::size_t slots = static_cast<std::size_t>(m) * 2;
     const std::size_t act = slots * 2048 * 2, rows = slots * 4096 * 2;
-    const std::size_t fast_bytes = mr::cuda_fused_policy(fast).workspace_bytes(m);
+    const mr::cuda_fused_policy fast_runner(fast);
+    const std::size_t fast_bytes = fast_runner.workspace_bytes(m);
     const std::size_t det_bytes = mr::cuda_fused_policy(det).workspace_bytes(m);
+    // Prefill's 128-row tiles load A by TMA from x's rows gathered in plan order ([M*k, H]
+    // more); decode never does.
+    const bool gathered = fast_runner.plan(m).gather_a;
     CAPTURE(m);
-    CHECK(fast_bytes >= act);
+    CAPTURE(gathered);
+    if (m == 1) CHECK_FALSE(gathered);
+    CHECK(fast_bytes >= act + (gathered ? rows : 0));
     // The rest is the routing plan (two int32 per slot), the tile schedule (64-row tiles at
     // worst) and alignment.
-    CHECK(fast_bytes <= act + slots * 8 + (slots / 64 + 8) * 16 + 8 * 256 + 64 * 1024);
+    CHECK(fast_bytes <= act + (gathered ? rows : 0) + slots * 8 + (slots / 64 + 8) * 16 + 8 * 256 + 64 * 1024);
     CHECK(det_bytes >= fast_bytes + rows);
   }
 }

@@ -109,7 +109,8 @@ struct fp8_problem {
 
 using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_fp8_policy>;
 
-// Device copies of an fp8 problem and a runner with exactly the workspace it asks for.
+// Device copies of an fp8 problem and a runner with exactly the workspace it asks for; `stream`
+// forces the stream GEMMs on or off (unset: the plan's rule).
 struct fp8_on_device {
   mr::test::device_tensor x, xq, xs, w13, w2, s13, s2, weights, ids;
   mr::test::device_buffer out_buf, ws_buf;
@@ -118,9 +119,12 @@ struct fp8_on_device {
   mr::workspace_view ws;
   mr::moe_status* status = nullptr;
 
-  explicit fp8_on_device(const fp8_problem& p)
+  explicit fp8_on_device(const fp8_problem& p, std::optional<bool> stream = std::nullopt)
       : x(p.base.x), w13(p.w13), w2(p.w2), s13(p.s13), s2(p.s2), weights(p.base.weights), ids(p.base.ids),
         runner("cuda_fused_fp8", p.base.cfg) {
+    runner.visit([&](auto& core) {
+      if constexpr (requires { core.set_stream_gemms(stream); }) core.set_stream_gemms(stream);
+    });
     if (p.prequantized) {
       xq = mr::test::device_tensor(p.xq);
       xs = mr::test::device_tensor(p.xs);
@@ -179,12 +183,14 @@ double worst_token_error(const host_tensor& got, const host_tensor& want, std::i
 }
 
 double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& rng, bool preq = false,
-                  mr::fp8_weight_scaling scaling = mr::fp8_weight_scaling::block128) {
+                  mr::fp8_weight_scaling scaling = mr::fp8_weight_scaling::block128,
+                  std::optional<bool> stream = std::nullopt) {
   CAPTURE(mr::test::describe(s, t, o));
   CAPTURE(preq);
   CAPTURE(static_cast<int>(scaling));
   fp8_problem p(s, t, o, rng, preq, std::nullopt, scaling);
-  fp8_on_device g(p);
+  fp8_on_device g(p, stream);
+  if (stream && s.m > 0) CHECK(g.runner.describe(s.m).find(*stream ? "stream e4m3" : "wgmma e4m3") != std::string::npos);
   const host_tensor got = g.run_once(p);
   const double err = mr::test::rel_error(got.view, p.ref.view);
   CHECK_MESSAGE(err <= fp8_bound, "rel err ", err, " bound ", fp8_bound);
@@ -233,20 +239,63 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     worst = std::max(worst, check_case(sh, bf16, {.deterministic = true}, rng));
     worst = std::max(worst, check_case(sh, bf16, {.inplace = true, .deterministic = true}, rng));
   }
-  SUBCASE("decode with GEMM2's K split, both combines") {
-    // Few items over the SMs: the plan splits GEMM2's K (reductions into the output, or f32
-    // parts that combine sums in split order).
+  SUBCASE("pairs of CTAs on 128-row tiles (more than 64 rows per expert)") {
+    const shape sh{600, 8, 2, 256, 256};
+    CHECK(mr::gpu::make_fp8_plan(mr::MoeRunnerConfig({.num_experts = 8, .hidden_size = 256, .intermediate_size = 256,
+                                                      .top_k = 2}),
+                                 600, mr::gpu::device_target_of(mr::gpu::current_device_facts()))
+              .schedule_block_m == 128);
+    worst = std::max(worst, check_case(sh, bf16, {}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.ids = ids_kind::skewed}, rng));  // CTAs of a pair with no rows
+    worst = std::max(worst, check_case(sh, bf16, {.interleaved = true}, rng));
+    worst = std::max(worst, check_case({600, 8, 2, 384, 384}, bf16, {.gated = false}, rng));  // H, I % 256 = 128
+    worst = std::max(worst, check_case({600, 8, 2, 384, 256}, bf16, {.act = mr::activation_kind::swiglu_clamped}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.ids = ids_kind::random_filtered, .no_combine = true}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {.deterministic = true}, rng));
+    worst = std::max(worst, check_case({600, 8, 1, 256, 256}, bf16, {.weight_on_input = true}, rng));
+    worst = std::max(worst, check_case(sh, mr::dtype::f16, {.inplace = true}, rng));
+    worst = std::max(worst, check_case(sh, bf16, {}, rng, true));
+    worst = std::max(worst, check_case({700, 8, 2, 1024, 1536}, bf16, {}, rng));  // per-token bound applies
+  }
+  SUBCASE("wgmma with GEMM2's K split, both combines") {
+    // Few items over the SMs (8 experts of 16 rows): the plan splits GEMM2's K (reductions into
+    // the output, or f32 parts that combine sums in split order).
     for (bool det : {false, true}) {
       options o{.deterministic = det};
-      fp8_problem p({3, 8, 2, 1024, 2048}, bf16, o, rng);
+      fp8_problem p({64, 8, 2, 1024, 2048}, bf16, o, rng);
       fp8_on_device g(p);
-      CHECK(mr::gpu::make_fp8_plan(p.base.cfg, 3, mr::gpu::device_target_of(mr::gpu::current_device_facts()))
-                .down_k_splits > 1);
+      const mr::gpu::fp8_plan pl =
+          mr::gpu::make_fp8_plan(p.base.cfg, 64, mr::gpu::device_target_of(mr::gpu::current_device_facts()));
+      CHECK_FALSE(pl.stream);
+      CHECK(pl.down_k_splits > 1);
       const host_tensor got = g.run_once(p);
       const double err = mr::test::rel_error(got.view, p.ref.view);
       CHECK_MESSAGE(err <= fp8_bound, "split-K rel err ", err, det ? " deterministic" : "");
       worst = std::max(worst, err);
     }
+  }
+  SUBCASE("decode on the stream GEMMs") {
+    // At most 4 rows per active expert, the stream GEMMs forced on where the plan's rule (few
+    // wgmma items) would not take them; the schedule built in the GEMMs up to 64 slots and by the
+    // plan kernel above.
+    const auto stream_case = [&](const shape& sh, const options& o, bool preq = false,
+                                 mr::fp8_weight_scaling sc = mr::fp8_weight_scaling::block128) {
+      worst = std::max(worst, check_case(sh, bf16, o, rng, preq, sc, true));
+    };
+    for (int m : {1, 2, 5}) stream_case({m, 8, 2, 512, 384}, {});  // I % 256 = 128
+    stream_case({16, 64, 8, 256, 256}, {});                          // 128 slots: the plan kernel's schedule
+    stream_case({4, 16, 4, 384, 256}, {.gated = false});
+    stream_case({4, 16, 4, 256, 256}, {.interleaved = true});
+    stream_case({6, 16, 1, 256, 256}, {.weight_on_input = true});
+    stream_case({4, 16, 4, 256, 256}, {.deterministic = true});
+    stream_case({20, 64, 8, 256, 256}, {.deterministic = true});  // plan kernel + combine
+    stream_case({4, 16, 4, 256, 256}, {.ids = mr::test::ids_kind::filtered, .no_combine = true});
+    stream_case({4, 16, 4, 256, 256}, {.inplace = true});
+    stream_case({4, 16, 4, 256, 256}, {.ids = mr::test::ids_kind::all_filtered});
+    stream_case({4, 16, 4, 256, 256}, {.scaling = 2.5f});
+    stream_case({3, 16, 4, 256, 256}, {}, true);
+    stream_case({3, 16, 4, 1024, 2048}, {}, false, mr::fp8_weight_scaling::per_channel);
+    stream_case({3, 16, 4, 1024, 2048}, {}, false, mr::fp8_weight_scaling::per_tensor);
   }
   SUBCASE("per-tensor and per-channel weight scales") {
     for (mr::fp8_weight_scaling sc : {mr::fp8_weight_scaling::per_tensor, mr::fp8_weight_scaling::per_channel}) {
@@ -255,7 +304,8 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       worst = std::max(worst, check_case({33, 8, 2, 256, 256}, bf16, {.interleaved = true}, rng, false, sc));
       worst = std::max(worst, check_case({33, 8, 1, 256, 256}, bf16, {.weight_on_input = true}, rng, false, sc));
       worst = std::max(worst, check_case({40, 8, 2, 256, 256}, bf16, {.deterministic = true}, rng, false, sc));
-      worst = std::max(worst, check_case({3, 8, 2, 1024, 2048}, bf16, {}, rng, false, sc));  // GEMM2's K split
+      worst = std::max(worst, check_case({3, 8, 2, 1024, 2048}, bf16, {}, rng, false, sc));   // decode, wgmma
+      worst = std::max(worst, check_case({64, 8, 2, 1024, 2048}, bf16, {}, rng, false, sc));  // GEMM2's K split
       worst = std::max(worst, check_case({96, 8, 2, 1024, 1536}, mr::dtype::f16, {}, rng, true, sc));
     }
   }
@@ -269,11 +319,13 @@ TEST_CASE("fp8 against the reference's fp8 path") {
 TEST_CASE("fp8: NaN stays in its token") {
   if (!fp8_gpu()) return;
   std::mt19937 rng(mr::test::test_seed());
+  for (int m : {8, 40})  // the stream GEMMs, the wgmma GEMMs
   for (bool det : {false, true}) {
-    fp8_problem p({40, 8, 2, 256, 256}, mr::dtype::bf16, {.deterministic = det, .nan_token = 5}, rng);
+    CAPTURE(m);
+    fp8_problem p({m, 8, 2, 256, 256}, mr::dtype::bf16, {.deterministic = det, .nan_token = 5}, rng);
     fp8_on_device g(p);
     const host_tensor got = g.run_once(p);
-    for (std::int64_t t = 0; t < 40; ++t) {
+    for (std::int64_t t = 0; t < m; ++t) {
       bool nan = false, finite = true;
       for (int c = 0; c < 256; ++c) {
         const float v = mr::test::element(got.view, t * 256 + c);
@@ -419,15 +471,18 @@ TEST_CASE("fp8: bad input is rejected before anything runs") {
 TEST_CASE("fp8: bad ids are counted in the status word") {
   if (!fp8_gpu()) return;
   std::mt19937 rng(mr::test::test_seed());
-  fp8_problem p({8, 8, 2, 256, 256}, mr::dtype::bf16, {}, rng);
-  p.base.ids.view.ptr<std::int32_t>()[3 * 2 + 1] = 1000;
-  fp8_on_device g(p);
-  mr::test::device_status st;
-  g.status = st.get();
-  g.run_once(p);
-  const mr::moe_status s = st.read();
-  CHECK(s.bad_slots == 1);
-  CHECK(s.first_bad_slot == 3 * 2 + 1);
+  for (int m : {8, 40}) {  // the schedule built in the stream GEMMs, the plan kernel's
+    CAPTURE(m);
+    fp8_problem p({m, 8, 2, 256, 256}, mr::dtype::bf16, {}, rng);
+    p.base.ids.view.ptr<std::int32_t>()[3 * 2 + 1] = 1000;
+    fp8_on_device g(p);
+    mr::test::device_status st;
+    g.status = st.get();
+    g.run_once(p);
+    const mr::moe_status s = st.read();
+    CHECK(s.bad_slots == 1);
+    CHECK(s.first_bad_slot == 3 * 2 + 1);
+  }
 }
 
 int main(int argc, char** argv) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "moerunner/core/config.hpp"
@@ -17,9 +18,15 @@
 namespace moerunner::gpu {
 
 // The fp8 GEMMs' tile (kernels::wgmma_fp8_shape reads these): 64 rows, 256 B rows (GEMM2: 256
-// output columns), K tiles of one scale block.
+// output columns), K tiles of one scale block; alone, or in pairs of CTAs on a 128-row schedule
+// tile that share each weight tile by TMA multicast.
 inline constexpr int fp8_group_size = fp8_block_quant_info::group;
 inline constexpr int fp8_block_m = 64, fp8_down_cols = 256, fp8_block_k = fp8_group_size;
+// Pairs where the active experts average more than 64 rows: below that most of a pair's second
+// CTA would idle, above it the single CTAs' L2 traffic (40 KB per 2 M MAC against 24 with the
+// weight tile shared) bounds the prefill cells (bench/NOTES.md, round 11).
+inline constexpr int fp8_large_block_m = 128;
+inline constexpr std::int64_t fp8_large_tile_min_rows = 64;
 // GEMM2 splits K only where its items come in at most two waves: 64-row tiles make many items
 // at mid sizes (Mixtral-8x7B at 512 tokens: 384, which four waves would split 11 ways, 11x the
 // output's reductions, for a 3% shorter last wave).
@@ -34,12 +41,28 @@ struct fp8_workspace {
   std::size_t act = 0, act_bytes = 0;          // GEMM1's e4m3 act [M*k, I]
   std::size_t act_scale = 0, act_scale_bytes = 0;  // [M*k, I / 128]
   std::size_t rows = 0, rows_bytes = 0;        // GEMM2's rows (16-bit) or f32 K-split parts
+  std::size_t act_f32 = 0, act_f32_bytes = 0;  // stream GEMM1's f32 act [M*k, I], before quantization
   std::size_t total = 0;
+};
+
+// Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
+// set_stream_gemms and set_pairs); unset, the plan's rules decide. Batch-invariant runs keep
+// single wgmma CTAs whatever is asked (one kernel family at every M is what the mode promises).
+struct fp8_settings {
+  std::optional<bool> stream;  // the stream GEMMs (any M > 0), or never
+  std::optional<bool> pairs;   // wgmma CTAs in pairs on 128-row tiles, or never
 };
 
 struct fp8_plan {
   std::int64_t num_tokens = 0;
-  int schedule_block_m = fp8_block_m;
+  // Decode where the wgmma tiles would be few (active experts average at most
+  // stream_max_rows_per_expert rows, as for cuda_fused, and GEMM1's wgmma items fill under half
+  // the SMs): the stream GEMMs on e4m3, GEMM1 writing f32 act that a kernel of its own
+  // quantizes, the kernels chained by programmatic launches; else the wgmma GEMMs.
+  bool stream = false;
+  bool schedule_in_gemms = false;      // stream: every CTA orders the rows itself (no plan kernel)
+  int schedule_block_m = fp8_block_m;  // stream: 8; wgmma: 64, or 128 for a pair of CTAs
+  int cluster_m = 1;                   // wgmma CTAs on one schedule tile
   int down_k_splits = 1;
   down_store down = down_store::accumulate;
   bool combine_kernel = false;  // a combine kernel sums GEMM2's rows or parts per token afterwards
@@ -47,13 +70,17 @@ struct fp8_plan {
   fp8_workspace workspace;
 
   std::string describe() const {
-    std::string s = "cuda_fused_fp8 M=" + std::to_string(num_tokens) + ": wgmma e4m3 m64 (schedule tiles of " +
-                    std::to_string(schedule_block_m) + " rows), GEMM2 " + std::string(down_store_name(down));
+    std::string s = "cuda_fused_fp8 M=" + std::to_string(num_tokens) + ": " +
+                    (stream ? std::string("stream e4m3")
+                            : "wgmma e4m3 m64" + (cluster_m > 1 ? "x" + std::to_string(cluster_m) : std::string())) +
+                    " (schedule tiles of " + std::to_string(schedule_block_m) + " rows" +
+                    (schedule_in_gemms ? ", built in the GEMMs" : "") + "), GEMM2 " + std::string(down_store_name(down));
     if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
     if (combine_kernel) s += " + combine kernel";
     s += "; workspace " + std::to_string(workspace.total) + " B (x e4m3 + scales " +
          std::to_string(workspace.x_q_bytes + workspace.x_scale_bytes) + ", act e4m3 + scales " +
-         std::to_string(workspace.act_bytes + workspace.act_scale_bytes) + ", rows " +
+         std::to_string(workspace.act_bytes + workspace.act_scale_bytes) +
+         (stream ? ", f32 act " + std::to_string(workspace.act_f32_bytes) : std::string()) + ", rows " +
          std::to_string(workspace.rows_bytes) + ", plan + schedule " +
          std::to_string(workspace.plan_bytes + workspace.schedule_bytes) + ")";
     return s;
@@ -63,16 +90,38 @@ struct fp8_plan {
 // The plan of one run over num_tokens tokens on `dev` (its SM count sets GEMM2's K splits).
 // GEMM2 stores as cuda_fused's wgmma GEMM2 does (plan_detail::store_mode); the input rows are
 // quantized into the workspace first, so GEMM1 may clear the output even when it aliases x.
-inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_tokens, const device_target& dev) {
+inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_tokens, const device_target& dev,
+                              const fp8_settings& settings = {}) {
   fp8_plan p;
   p.num_tokens = num_tokens;
   const std::int64_t slots = num_tokens * cfg.top_k();
   const int e = cfg.num_local_experts();
-  const down_store store = plan_detail::store_mode(cfg, gemm_family::wgmma, slots);
-  if (!cfg.no_combine() && !cfg.batch_invariant() && num_tokens > 0) {
-    const std::int64_t tile_bound = std::min(moe_m_tile_capacity(slots, e, fp8_block_m), slots);
-    p.down_k_splits = wgmma_down_k_splits(tile_bound, cfg.hidden_size(), cfg.intermediate_size(), dev.sm_count,
-                                          fp8_down_cols, fp8_block_k, fp8_split_max_waves);
+  // Batch-invariant runs stay on single wgmma CTAs at every M (the stream GEMMs' warps split K;
+  // a pair sums alike, but one kernel is what the mode promises).
+  const std::int64_t active = std::min<std::int64_t>(e, slots);
+  // Hopper runs the stream GEMMs' e4m3 mma.sync by emulation (converted to f16 for the tensor
+  // cores): they measured 2-9% slower than the wgmma tiles on 6 of 8 decode cells, and won only
+  // where those tiles leave most SMs idle (Qwen3-30B-A3B at one token: 48 GEMM1 items on 132
+  // SMs, 27% faster). bench/NOTES.md, round 12.
+  const int act_tile_cols = cfg.is_gated() ? fp8_down_cols / 2 : fp8_down_cols;
+  const std::int64_t wgmma_gemm1_items = active * ((cfg.intermediate_size() + act_tile_cols - 1) / act_tile_cols);
+  p.stream = !cfg.batch_invariant() && slots > 0 &&
+             settings.stream.value_or(slots <= stream_max_rows_per_expert * active &&
+                                      2 * wgmma_gemm1_items < dev.sm_count);
+  p.schedule_in_gemms = p.stream && slots <= local_plan_max_slots;
+  if (p.stream) {
+    p.schedule_block_m = stream_gemm_fp8_policy::tuning.schedule_block_m();
+  } else if (!cfg.batch_invariant() && active > 0 &&
+             settings.pairs.value_or(slots > fp8_large_tile_min_rows * active)) {
+    p.schedule_block_m = fp8_large_block_m;
+    p.cluster_m = fp8_large_block_m / fp8_block_m;
+  }
+  const down_store store =
+      plan_detail::store_mode(cfg, p.stream ? gemm_family::stream : gemm_family::wgmma, slots);
+  if (!p.stream && !cfg.no_combine() && !cfg.batch_invariant() && num_tokens > 0) {
+    const std::int64_t tile_bound = std::min(moe_m_tile_capacity(slots, e, p.schedule_block_m), slots);
+    p.down_k_splits = wgmma_down_k_splits(tile_bound, cfg.hidden_size(), cfg.intermediate_size(),
+                                          dev.sm_count / p.cluster_m, fp8_down_cols, fp8_block_k, fp8_split_max_waves);
   }
   p.down = store == down_store::rows && p.down_k_splits > 1 ? down_store::partials : store;
   p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;
@@ -85,7 +134,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   fp8_workspace& w = p.workspace;
   w.plan_bytes = plan_piece_bytes(routing_plan_bytes(num_tokens, cfg.top_k(), e));
   w.schedule = w.plan + w.plan_bytes;
-  w.schedule_bytes = plan_piece_bytes(tile_schedule_bytes(slots, e, fp8_block_m));
+  w.schedule_bytes = plan_piece_bytes(tile_schedule_bytes(slots, e, p.schedule_block_m));
   w.x_q = w.schedule + w.schedule_bytes;
   w.x_q_bytes = plan_piece_bytes(m * h);
   w.x_scale = w.x_q + w.x_q_bytes;
@@ -97,7 +146,9 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   w.rows = w.act_scale + w.act_scale_bytes;
   if (p.down == down_store::rows) w.rows_bytes = plan_piece_bytes(r * h * 2);
   else if (p.down == down_store::partials) w.rows_bytes = plan_piece_bytes(static_cast<std::size_t>(p.down_k_splits) * r * h * 4);
-  w.total = w.rows + w.rows_bytes + plan_piece_alignment;
+  w.act_f32 = w.rows + w.rows_bytes;
+  if (p.stream) w.act_f32_bytes = plan_piece_bytes(r * inter * 4);
+  w.total = w.act_f32 + w.act_f32_bytes + plan_piece_alignment;
   return p;
 }
 

@@ -66,7 +66,15 @@ struct fused_settings {
   gemm_tuning_choice tuning = gemm_tuning_choice::automatic;
   std::optional<bool> dependent_launch;  // unset: with the stream GEMMs only
   bool plan_in_gemms = true;
+  std::optional<bool> gather_a;          // unset: with the 128-row wgmma tiles (prefill), long I
 };
+
+// GEMM1's A gathered into plan order for TMA only where the copy is cheap against GEMM1: it
+// moves 4H bytes per slot (written, then read) against GEMM1's 4IH flops, about 170/I to 260/I
+// of GEMM1's time at Hopper's bf16 rate per byte of DRAM. Measured in one run (H100): Mixtral-8x7B
+// (I = 14336) 6-8% faster at 4096 and 16384 tokens, DeepSeek-V3 (I = 2048) and Qwen3-30B-A3B
+// (I = 768) 7-9% slower. bench/NOTES.md, round 12.
+inline constexpr int gather_a_min_intermediate = 8192;
 
 // The workspace pieces, as byte offsets from the 256-byte aligned start; total includes the
 // slack that aligns the start.
@@ -75,6 +83,7 @@ struct fused_workspace {
   std::size_t schedule = 0, schedule_bytes = 0;
   std::size_t act = 0, act_bytes = 0;
   std::size_t rows = 0, rows_bytes = 0;  // GEMM2's rows or f32 K-split parts (combine reads them)
+  std::size_t gathered = 0, gathered_bytes = 0;  // gather_a: x's rows in plan order [M*k, H]
   std::size_t total = 0;
 };
 
@@ -92,6 +101,11 @@ struct fused_plan {
   bool dependent_launch = false;   // programmatic dependent launches between the kernels
   bool clear_in_gemm1 = false;     // GEMM1 zeroes the output GEMM2 adds or scatters into
   bool memset_between = false;     // inplace: a memset zeroes it after GEMM1 has read x
+  // wgmma GEMM1 loads A by TMA boxes from x's rows gathered in plan order by a kernel before
+  // it (M*k*H*2 workspace bytes), instead of gathering them by cp.async: with the 128-row tiles
+  // (prefill), where the cp.async gathers measured a third of the consumers' time waiting for
+  // stages (bench/NOTES.md, round 10). Decode keeps M*k*I*2 + O(E) workspace.
+  bool gather_a = false;
   fused_workspace workspace;
 
   // One line for an engine's log: what runs and the workspace it takes.
@@ -108,8 +122,10 @@ struct fused_plan {
     if (combine_kernel) s += " + combine kernel";
     if (memset_between) s += ", output zeroed between the GEMMs";
     s += dependent_launch ? ", dependent launches" : ", plain launches";
+    if (gather_a) s += ", A gathered for TMA";
     s += "; workspace " + std::to_string(workspace.total) + " B (act " + std::to_string(workspace.act_bytes) +
-         ", rows " + std::to_string(workspace.rows_bytes) + ", plan + schedule " +
+         ", rows " + std::to_string(workspace.rows_bytes) + ", gathered x " + std::to_string(workspace.gathered_bytes) +
+         ", plan + schedule " +
          std::to_string(workspace.plan_bytes + workspace.schedule_bytes) + ")";
     return s;
   }
@@ -135,7 +151,8 @@ inline down_store store_mode(const MoeRunnerConfig& cfg, gemm_family family, std
   return rows_pay ? down_store::rows : down_store::accumulate;
 }
 
-inline fused_workspace layout(const MoeRunnerConfig& cfg, std::int64_t num_tokens, down_store down, int splits) {
+inline fused_workspace layout(const MoeRunnerConfig& cfg, std::int64_t num_tokens, down_store down, int splits,
+                              bool gather_a) {
   const auto slots = static_cast<std::size_t>(num_tokens) * static_cast<std::size_t>(cfg.top_k());
   const int e = cfg.num_local_experts();
   fused_workspace w;
@@ -149,7 +166,9 @@ inline fused_workspace layout(const MoeRunnerConfig& cfg, std::int64_t num_token
   const std::size_t row_elems = slots * static_cast<std::size_t>(cfg.hidden_size());
   if (down == down_store::rows) w.rows_bytes = plan_piece_bytes(row_elems * 2);
   else if (down == down_store::partials) w.rows_bytes = plan_piece_bytes(static_cast<std::size_t>(splits) * row_elems * 4);
-  w.total = w.rows + w.rows_bytes + plan_piece_alignment;
+  w.gathered = w.rows + w.rows_bytes;
+  if (gather_a) w.gathered_bytes = plan_piece_bytes(row_elems * 2);
+  w.total = w.gathered + w.gathered_bytes + plan_piece_alignment;
   return w;
 }
 
@@ -207,7 +226,10 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
   p.dependent_launch = settings.dependent_launch.value_or(p.family == gemm_family::stream);
   p.clear_in_gemm1 = !p.combine_kernel && !cfg.inplace();
   p.memset_between = !p.combine_kernel && cfg.inplace();
-  p.workspace = plan_detail::layout(cfg, num_tokens, p.down, p.down_k_splits);
+  const bool large_tiles = p.family == gemm_family::wgmma && (p.tile == sm90_tile::m128 || p.tile == sm90_tile::m128x2);
+  p.gather_a = p.family == gemm_family::wgmma && num_tokens > 0 &&
+               settings.gather_a.value_or(large_tiles && cfg.intermediate_size() >= gather_a_min_intermediate);
+  p.workspace = plan_detail::layout(cfg, num_tokens, p.down, p.down_k_splits, p.gather_a);
   return p;
 }
 

@@ -224,6 +224,16 @@ struct stream_gemm_policy {
       .block_m = 8, .block_n = 32, .warps = 4, .stages = 3, .min_arch = 80, .raster_band = 8};
 };
 static_assert(check_stream_gemm_tuning(stream_gemm_policy::tuning));
+// The same rings over e4m3 operands (cuda_fused_fp8 at decode): 128-byte stage rows hold 128
+// values, so the stages are the 16-bit tuning's in bytes; e4m3 mma.sync needs sm_89+ (sm_90 here).
+struct stream_gemm_fp8_policy {
+  static constexpr stream_gemm_tuning tuning = [] {
+    stream_gemm_tuning t = stream_gemm_policy::tuning;
+    t.min_arch = 90;
+    return t;
+  }();
+};
+static_assert(check_stream_gemm_tuning(stream_gemm_fp8_policy::tuning));
 // The smallest M tile of any tuning: workspaces size the tile schedule for it.
 inline constexpr int moe_gemm_min_block_m = stream_gemm_policy::tuning.block_m;
 

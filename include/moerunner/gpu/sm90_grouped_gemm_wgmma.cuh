@@ -191,6 +191,13 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
              "only the gated GEMM1 reads interleaved gate/up rows");
   const CUtensorMap map =
       weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts, p.interleaved, tuning.block_n / 2);
+  // Gathered A rows [a_rows, k] as one expert's rows of a weight-shaped map: boxes of block_m
+  // rows, zeros past a_rows. Without them the kernel never reads the map (B's is passed).
+  MOE_EXPECT(!p.a_gathered || (Kind != kernels::moe_gemm_kind::down && p.a_rows > 0 && p.a_rows <= 0x7fffffff),
+             where, "only GEMM1 takes gathered A rows, and their count must be set");
+  const CUtensorMap a_map = p.a_gathered ? weight_tensor_map(p.a, p.a_rows, static_cast<int>(p.a_rows), p.k, 1,
+                                                             false, tuning.block_m)
+                                         : map;
   const int places = prepare_wgmma_gemm<T, Policy, Kind>(dev);
   constexpr int cols = kernels::moe_gemm_wgmma<T, Policy, Kind>::out_cols;
   const std::int64_t n_tiles = (p.n + cols - 1) / cols;
@@ -212,7 +219,7 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   // The CTAs may start (barrier set-up, descriptor prefetch) while the previous kernel drains.
   const dim3 grid(static_cast<unsigned>(clusters * tuning.cluster_m));
   launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind>, grid, dim3(tuning.threads()),
-                            tuning.smem_bytes(), stream, dependent_launch, tuning.cluster_m, p, map);
+                            tuning.smem_bytes(), stream, dependent_launch, tuning.cluster_m, p, map, a_map);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_kernel");
 }
 

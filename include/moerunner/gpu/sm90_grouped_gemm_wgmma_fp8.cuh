@@ -1,7 +1,7 @@
 // Host launch code of the fp8 block-scaled grouped GEMMs (sm90_kernel_grouped_gemm_wgmma_fp8.cuh)
 // and of the input rows' group quantization (kernel_quantize_fp8.cuh). Like the 16-bit wgmma
 // GEMMs: the weights' TMA descriptor encoded per launch (host only, graph-capturable), one
-// persistent CTA per SM, the M-tile schedule of 64-row tiles built by the routing plan.
+// persistent CTA per SM (or pair of CTAs per two SMs), the M-tile schedule built by the routing plan.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -26,48 +26,63 @@
 
 namespace moerunner::gpu {
 
-// x [rows, h] (bf16 or f16, h a multiple of 128, 8-byte aligned) -> q [rows, h] e4m3 and
-// scales [rows, h / 128] f32.
+// x [rows, h] (bf16, f16 or f32, h a multiple of 128, aligned to 4 values) -> q [rows, h]
+// e4m3 and scales [rows, h / 128] f32; `dependent`: a programmatic dependent of the kernel before.
 template <class T>
-void quantize_rows_fp8(const T* x, std::int64_t rows, int h, std::uint8_t* q, float* scales, cudaStream_t stream) {
+void quantize_rows_fp8(const T* x, std::int64_t rows, int h, std::uint8_t* q, float* scales, cudaStream_t stream,
+                       bool dependent = false) {
   MOE_EXPECT(h > 0 && h % kernels::fp8_group == 0, "gpu::quantize_rows_fp8", "h must be a positive multiple of 128");
   const std::int64_t groups = rows * (h / kernels::fp8_group);
   if (groups == 0) return;
   constexpr int warps = 8;
   const std::int64_t blocks = (groups + warps - 1) / warps;
   MOE_EXPECT(blocks <= 0x7fffffff, "gpu::quantize_rows_fp8", "too many rows");
-  kernels::quantize_rows_fp8_kernel<T><<<static_cast<unsigned>(blocks), 32 * warps, 0, stream>>>(x, groups, h, q, scales);
+  launch_dependent(kernels::quantize_rows_fp8_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(32 * warps), 0,
+                   stream, dependent, x, groups, h, q, scales);
   MOE_CUDA_CHECK_LAUNCH("quantize_rows_fp8_kernel");
 }
 
-// Sets the kernel's dynamic shared memory limit once per device and checks that a CTA fits.
-template <class T, kernels::moe_gemm_kind Kind>
-void prepare_wgmma_fp8_gemm(const device_facts& dev) {
+// Sets the kernel's dynamic shared memory limit once per device, checks that a CTA (a pair of
+// them) fits, and returns how many run at once: sm_count CTAs, or the pairs resident at once
+// (a pair needs two SMs of one GPC, which may leave some SMs out).
+template <class T, kernels::moe_gemm_kind Kind, int Cluster>
+int prepare_wgmma_fp8_gemm(const device_facts& dev) {
   constexpr int cached_devices = 64;
-  static std::array<std::atomic<bool>, cached_devices> ready{};
+  static std::array<std::atomic<int>, cached_devices> places{};  // 0: not prepared yet
   const bool cached = dev.device >= 0 && dev.device < cached_devices;
-  if (cached && ready[dev.device].load(std::memory_order_relaxed)) return;
+  if (cached) {
+    if (const int n = places[dev.device].load(std::memory_order_relaxed); n > 0) return n;
+  }
   using shape = kernels::wgmma_fp8_shape;
-  const auto kernel = kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind>;
+  const auto kernel = kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster>;
   MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shape::smem_bytes));
   int n = 0;
-  MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, shape::threads, shape::smem_bytes));
+  if constexpr (Cluster == 1) {
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, shape::threads, shape::smem_bytes));
+    n = n > 0 ? dev.sm_count : 0;
+  } else {
+    const launch_config c(dim3(Cluster * dev.sm_count), dim3(shape::threads), shape::smem_bytes, nullptr, false,
+                          Cluster);
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &c.config));
+  }
   MOE_EXPECT(n > 0, "gpu::launch_moe_gemm_wgmma_fp8",
              "the fp8 wgmma GEMM does not fit on this device (" + std::to_string(shape::smem_bytes) +
-                 " bytes of shared memory per CTA)");
-  if (cached) ready[dev.device].store(true, std::memory_order_relaxed);
+                 " bytes of shared memory per CTA, clusters of " + std::to_string(Cluster) + ")");
+  if (cached) places[dev.device].store(n, std::memory_order_relaxed);
+  return n;
 }
 
-// Launches one fp8 grouped GEMM over `schedule` (built for 64-row tiles); b is the e4m3 weights
-// [num_experts, p.g.b_rows_per_expert, p.g.k]. Fills p.g.tiles, tile_count and n_tiles.
-template <class T, kernels::moe_gemm_kind Kind>
+// Launches one fp8 grouped GEMM over `schedule` (built for 64-row tiles, or with Cluster 2 for
+// 128-row ones that a pair of CTAs shares, each weight tile multicast to both); b is the e4m3
+// weights [num_experts, p.g.b_rows_per_expert, p.g.k]. Fills p.g.tiles, tile_count and n_tiles.
+template <class T, kernels::moe_gemm_kind Kind, int Cluster>
 void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uint8_t* b, int num_experts,
                                const tile_schedule& schedule, const device_facts& dev, cudaStream_t stream,
                                bool dependent_launch = false) {
   constexpr const char* where = "gpu::launch_moe_gemm_wgmma_fp8";
-  using tile_t = kernels::moe_gemm_wgmma_fp8<T, Kind>;
+  using tile_t = kernels::moe_gemm_wgmma_fp8<T, Kind, Cluster>;
   kernels::moe_gemm_params<T>& g = p.g;
-  MOE_EXPECT(schedule.block_m == tile_t::block_m, where, "the tile schedule was built for another block_m");
+  MOE_EXPECT(schedule.block_m == tile_t::schedule_block_m, where, "the tile schedule was built for another block_m");
   if (!wgmma_gemm_available(dev))
     throw unsupported_error(std::string(where) + ": the fp8 GEMMs need code compiled for sm_90a; this device (sm_" +
                             std::to_string(dev.arch) + ") runs code compiled for sm_" + std::to_string(dev.code_arch) +
@@ -79,7 +94,7 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
              "only the gated GEMM1 reads interleaved gate/up rows");
   const CUtensorMap map =
       weight_tensor_map(b, g.b_rows_per_expert, g.n, g.k, num_experts, g.interleaved, tile_t::box_rows);
-  prepare_wgmma_fp8_gemm<T, Kind>(dev);
+  const int places = prepare_wgmma_fp8_gemm<T, Kind, Cluster>(dev);
   const std::int64_t n_tiles = (g.n + tile_t::out_cols - 1) / tile_t::out_cols;
   const bool may_split = Kind == kernels::moe_gemm_kind::down && (g.store == kernels::down_store::accumulate ||
                                                                    g.store == kernels::down_store::partials);
@@ -89,12 +104,13 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
   MOE_EXPECT(g.store != kernels::down_store::partials || g.partials != nullptr, where, "partials is null");
   MOE_EXPECT(g.raster_band >= 1, where, "raster_band must be positive");
   const std::int64_t work_bound = schedule.capacity * n_tiles * g.k_splits;
-  const std::int64_t ctas = std::min<std::int64_t>(work_bound, dev.sm_count);
+  const std::int64_t clusters = std::min<std::int64_t>(work_bound, places);
   g.tiles = schedule.tiles;
   g.tile_count = schedule.count;
   g.n_tiles = static_cast<int>(n_tiles);
-  launch_dependent(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind>, dim3(static_cast<unsigned>(ctas)),
-                   dim3(tile_t::threads), tile_t::smem_bytes, stream, dependent_launch, p, map);
+  launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster>,
+                            dim3(static_cast<unsigned>(clusters * Cluster)), dim3(tile_t::threads), tile_t::smem_bytes,
+                            stream, dependent_launch, Cluster, p, map);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_fp8_kernel");
 }
 

@@ -7,6 +7,7 @@
 #error "moerunner/gpu/stream_gemm.cuh needs nvcc: include it from a .cu file"
 #endif
 
+#include <cstdint>
 #include <string>
 
 #include <cuda_runtime_api.h>
@@ -20,11 +21,11 @@
 namespace moerunner::gpu {
 
 // The persistent grid of a stream GEMM over `schedule` (fills p.tiles, p.tile_count, p.n_tiles).
-template <class T, class Policy, kernels::moe_gemm_kind Kind>
+template <class T, class Policy, kernels::moe_gemm_kind Kind, bool Fp8 = false>
 unsigned stream_gemm_grid(kernels::moe_gemm_params<T>& p, const tile_schedule& schedule, const device_facts& dev) {
-  const int per_sm = resident_ctas<kernels::moe_stream_gemm_kernel<T, Policy, Kind>>(
+  const int per_sm = resident_ctas<kernels::moe_stream_gemm_kernel<T, Policy, Kind, Fp8>>(
       dev.device, Policy::tuning.threads(), Policy::tuning.smem_bytes(), "gpu::launch_moe_stream_gemm");
-  return persistent_gemm_grid(p, schedule, kernels::moe_stream_gemm<T, Policy, Kind>::out_cols, per_sm, dev);
+  return persistent_gemm_grid(p, schedule, kernels::moe_stream_gemm<T, Policy, Kind, Fp8>::out_cols, per_sm, dev);
 }
 
 // How the stream GEMMs use L2 (cuda_fused_policy::set_stream_l2). The defaults are what
@@ -43,11 +44,13 @@ struct stream_l2_use {
   friend constexpr bool operator==(const stream_l2_use&, const stream_l2_use&) = default;
 };
 
-// Whether a stream GEMM of reduction length k fetches its weights 256 bytes at a time.
+// Whether a stream GEMM of reduction length k (elements of elem_bytes: 2, or 1 for e4m3)
+// fetches its weights 256 bytes at a time; its K tiles are 128-byte stage rows.
 template <class Policy>
-constexpr bool stream_fetch_256(const stream_l2_use& use, int k) {
-  constexpr int warps = Policy::tuning.warps, bk = 64;
-  return (k + bk - 1) / bk / warps >= use.fetch_256_min_k_tiles;
+constexpr bool stream_fetch_256(const stream_l2_use& use, int k, int elem_bytes = 2) {
+  constexpr int warps = Policy::tuning.warps, row_bytes = 128;
+  const std::int64_t k_bytes = static_cast<std::int64_t>(k) * elem_bytes;
+  return (k_bytes + row_bytes - 1) / row_bytes / warps >= use.fetch_256_min_k_tiles;
 }
 // By default: Mixtral-8x7B's GEMM1 (K = 4096, 16 tiles per warp) and DeepSeek-V3's (7168) fetch
 // 256 bytes; Qwen3-30B-A3B's (2048) and every GEMM2 of K = I <= 2048 do not.
@@ -78,13 +81,26 @@ typename kernels::moe_gemm_params<T>::next_gemm stream_next_gemm(kernels::moe_ge
 // block_m); `p.tiles`, `p.tile_count` and `p.n_tiles` are filled here from `schedule`, or with
 // p.local_ids set each CTA builds the schedule itself and only the schedule's capacity (the
 // grid's bound) and block_m are used. K is never split across CTAs (k_splits 1), so GEMM2
-// stores rows, slots or adds into the output.
-template <class T, class Policy, kernels::moe_gemm_kind Kind>
-void launch_moe_stream_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& schedule, const device_facts& dev,
-                            cudaStream_t stream, bool dependent_launch = false) {
+// stores rows, slots or adds into the output. Fp8: e4m3 operands with their scales
+// (kernels::moe_gemm_fp8_params; K a multiple of 128; GEMM1 writes f32 act into act_f32).
+template <class T, class Policy, kernels::moe_gemm_kind Kind, bool Fp8 = false>
+void launch_moe_stream_gemm(typename kernels::moe_stream_gemm<T, Policy, Kind, Fp8>::params pp,
+                            const tile_schedule& schedule, const device_facts& dev, cudaStream_t stream,
+                            bool dependent_launch = false) {
+  using tile_t = kernels::moe_stream_gemm<T, Policy, Kind, Fp8>;
   constexpr stream_gemm_tuning tuning = Policy::tuning;
   constexpr const char* where = "gpu::launch_moe_stream_gemm";
+  kernels::moe_gemm_params<T>& p = tile_t::gemm(pp);
   check_mma_gemm_launch(p, schedule, tuning.schedule_block_m(), tuning.min_arch, dev, where);
+  if constexpr (Fp8) {
+    MOE_EXPECT(pp.a != nullptr && pp.a_scale != nullptr && pp.b != nullptr && pp.b_scale != nullptr, where,
+               "fp8 operands need a, b and their scales");
+    MOE_EXPECT(p.k % tile_t::bk == 0, where, "fp8 K must be a multiple of 128 (the scale blocks)");
+    MOE_EXPECT(Kind == kernels::moe_gemm_kind::down || pp.act_f32 != nullptr, where,
+               "the fp8 GEMM1 writes f32 act: act_f32 must be set");
+    MOE_EXPECT(p.next.b == nullptr, where, "the fp8 GEMMs ask L2 for nothing ahead");
+    MOE_EXPECT(!p.weights_evict_first, where, "the fp8 GEMMs' weight copies carry no L2 policy (see tile_t::l2_policy)");
+  }
   MOE_EXPECT(p.local_ids != nullptr || (schedule.tiles != nullptr && schedule.count != nullptr), where,
              "the tile schedule is not built, and the GEMM is not asked to build its own");
   MOE_EXPECT(p.local_ids == nullptr || (p.local_slots >= 1 && p.local_slots <= kernels::local_plan_max_slots &&
@@ -100,9 +116,9 @@ void launch_moe_stream_gemm(kernels::moe_gemm_params<T> p, const tile_schedule& 
                                       p.next.n > 0 && p.next.n_tiles > 0 && p.next.bytes >= 0),
              where, "only GEMM1 asks L2 for the next GEMM's weights, and that GEMM's sizes must be set");
   if (schedule.capacity == 0) return;
-  const unsigned grid = stream_gemm_grid<T, Policy, Kind>(p, schedule, dev);
-  launch_dependent(kernels::moe_stream_gemm_kernel<T, Policy, Kind>, dim3(grid), dim3(tuning.threads()),
-                   tuning.smem_bytes(), stream, dependent_launch, p);
+  const unsigned grid = stream_gemm_grid<T, Policy, Kind, Fp8>(p, schedule, dev);
+  launch_dependent(kernels::moe_stream_gemm_kernel<T, Policy, Kind, Fp8>, dim3(grid), dim3(tuning.threads()),
+                   tuning.smem_bytes(), stream, dependent_launch, pp);
   MOE_CUDA_CHECK_LAUNCH("moe_stream_gemm_kernel");
 }
 

@@ -124,7 +124,7 @@ using down_store = gpu::down_store;
 
 template <class T>
 struct moe_gemm_params {
-  const T* a;                           // GEMM1: x [M, K=H]; GEMM2: act [R, K=I]
+  const T* a;                           // GEMM1: x [M, K=H] (a_gathered: its rows in plan order, [R, K]); GEMM2: act [R, K=I]
   const std::int32_t* row_to_slot;      // row r holds slot row_to_slot[r] (token slot / top_k)
   int top_k;
   const T* b;                           // [E, b_rows_per_expert, K] row-major
@@ -176,6 +176,10 @@ struct moe_gemm_params {
   // bytes at a time (the warp's next K tile of each row comes with its current one).
   bool weights_evict_first = false;
   bool weights_fetch_256 = false;
+  // wgmma GEMM1 only: a holds x's rows already in plan order (row r at r * k), which the
+  // producer loads by TMA boxes (the kernel's a_map over them) instead of gathering by cp.async.
+  bool a_gathered = false;
+  std::int64_t a_rows = 0;  // a_gathered: rows of a (M * top_k)
 };
 
 // The row of expert's B holding output column `col`: for gate_up its gate (half 0) or up (half 1)

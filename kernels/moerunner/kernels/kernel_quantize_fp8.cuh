@@ -12,9 +12,11 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_fp8.h>
 
+#include "moerunner/kernels/pdl.cuh"
 #include "moerunner/kernels/vector_io.cuh"
 #include "moerunner/quant/quant_info.hpp"
 
@@ -32,17 +34,21 @@ __device__ __forceinline__ std::uint16_t fp8_pack2(float lo, float hi, float sca
   return __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(lo, scale), __fdiv_rn(hi, scale)), __NV_SATFINITE, __NV_E4M3);
 }
 
-// One warp per group of 128 (4 values per lane, 8-byte loads): q [rows, h] e4m3 and
-// scales [rows, h / 128]; h is a multiple of 128, x 8-byte aligned.
+// One warp per group of 128 (4 values per lane, one load each): q [rows, h] e4m3 and scales
+// [rows, h / 128]; h is a multiple of 128, x aligned to 4 values (T: bf16, f16 or f32). May be
+// launched as a programmatic dependent of the kernel that writes x.
 template <class T>
 __global__ void quantize_rows_fp8_kernel(const T* __restrict__ x, std::int64_t groups, int h,
                                          std::uint8_t* __restrict__ q, float* __restrict__ scales) {
+  wait_for_prior_grids();
+  allow_dependent_grids();
   const std::int64_t group = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (group >= groups) return;
   const int lane = threadIdx.x % 32;
   const int per_row = h / fp8_group;
   const std::int64_t first = (group / per_row) * h + (group % per_row) * fp8_group + 4 * lane;
-  const uint2 raw = *reinterpret_cast<const uint2*>(x + first);
+  using four = std::conditional_t<sizeof(T) == 4, uint4, uint2>;
+  const four raw = *reinterpret_cast<const four*>(x + first);
   const T* v = reinterpret_cast<const T*>(&raw);
   float f[4];
   float amax = 0.0f;

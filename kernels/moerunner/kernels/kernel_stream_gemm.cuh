@@ -1,11 +1,17 @@
 // Device code of the fused backend's decode GEMMs, over the same M-tile schedule, parameters
 // and epilogue targets as the grouped GEMMs (kernel_grouped_gemm.cuh):
 //
-//   moe_stream_gemm_kernel<T, Policy, kind>: persistent CTAs stride over (M tile, N tile) items;
-//     a CTA's 32 weight rows are the mma.sync's M ("swap-AB") and its tile's tokens the mma's N
-//     in blocks of 8; each warp walks its own part of K through a private cp.async ring, and
-//     the parts meet in shared memory for the epilogue (bias and activation into act, or GEMM2's
-//     bias, store or atomic add), so each output's bias is added once whatever the warps' K split.
+//   moe_stream_gemm_kernel<T, Policy, kind, Fp8>: persistent CTAs stride over (M tile, N tile)
+//     items; a CTA's 32 weight rows are the mma.sync's M ("swap-AB") and its tile's tokens the
+//     mma's N in blocks of 8; each warp walks its own part of K through a private cp.async ring,
+//     and the parts meet in shared memory for the epilogue (bias and activation into act, or
+//     GEMM2's bias, store or atomic add), so each output's bias is added once whatever the warps'
+//     K split.
+//   Fp8: the same rings and fragments over e4m3 operands (a 128-byte stage row is 128 values, one
+//     scale block of K; m16n8k32 e4m3 in place of m16n8k16), each stage's sums added into f32
+//     times the token's and the weight block's scales as the wgmma fp8 kernels do; GEMM1 writes
+//     act in f32 (its 128-column quantization groups span several CTAs: a kernel of its own
+//     quantizes it), per-channel weight scales are applied in the epilogue.
 //
 // Why this shape: where an expert sees a handful of rows, the GEMM is a weight stream, and
 // what it needs is many bytes in flight per SM with nothing between a load and the next one.
@@ -19,11 +25,14 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
+#include "moerunner/kernels/activation_math.cuh"
+#include "moerunner/kernels/kernel_fp8_gemm_params.cuh"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
 #include "moerunner/kernels/kernel_local_plan.cuh"
 #include "moerunner/kernels/l2_hints.cuh"
@@ -31,11 +40,35 @@
 
 namespace moerunner::kernels {
 
-template <class T, class Policy, moe_gemm_kind Kind>
+// m16n8k32 on e4m3 with f32 accumulators (sm_89 and later; the fp8 stream GEMMs need sm_90).
+__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], const std::uint32_t (&a)[4],
+                                               const std::uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  (void)d, (void)a, (void)b;
+  __trap();
+#endif
+}
+
+template <class T, class Policy, moe_gemm_kind Kind, bool Fp8 = false>
 struct moe_stream_gemm {
   static constexpr gpu::stream_gemm_tuning tuning = Policy::tuning;
   static constexpr int warps = tuning.warps, threads = tuning.threads(), stages = tuning.stages;
-  static constexpr int bm = tuning.block_m, bn = tuning.block_n, bk = 64;
+  using params = std::conditional_t<Fp8, moe_gemm_fp8_params<T>, moe_gemm_params<T>>;
+  using E = std::conditional_t<Fp8, std::uint8_t, T>;  // operand element
+  // A stage row is 128 bytes of K: 64 16-bit values, or 128 e4m3 (one scale block); 16-byte
+  // copies of `chunk` values; every mma takes 32 bytes of each row (k16 16-bit, k32 e4m3).
+  static constexpr int bm = tuning.block_m, bn = tuning.block_n, bk = 128 / static_cast<int>(sizeof(E));
+  static constexpr int chunk = 16 / static_cast<int>(sizeof(E)), k_steps = 4;
+  // Weight copies carry an L2 policy (createpolicy) in the 16-bit kernels only: in the e4m3
+  // ones, nvcc 13.0's ptxas left the copies' policy descriptor registers unwritten (SASS
+  // `LDGSTS ... desc[UR1]` with UR1 never set; an illegal instruction on the H200), so they keep
+  // the 256-byte fetch hint alone and the default policy (p.weights_evict_first must be off).
+  static constexpr bool l2_policy = !Fp8;
   static constexpr int stage_elems = (bn + bm) * bk;  // weight rows, then token rows
   // Gated: m16 block 0 holds the gate rows of 16 output columns, block 1 their up rows.
   static constexpr bool gated = Kind == moe_gemm_kind::gate_up;
@@ -49,23 +82,40 @@ struct moe_stream_gemm {
   static constexpr int out_vectors = bm * out_cols / 8;
 
   static_assert(gpu::check_stream_gemm_tuning(tuning));
-  static_assert(sizeof(T) == 2, "the tile layout is written for 16-bit elements");
+  static_assert(sizeof(T) == 2, "the outputs are 16-bit");
+  static_assert(!Fp8 || tuning.min_arch >= 90, "e4m3 mma.sync needs sm_89 or later: an sm_90 tuning");
   static_assert(out_vectors <= threads, "the epilogue gives each thread at most one 8-column vector");
 
+  // The 16-bit GEMM's parameters (sizes, schedule, rows, stores) of either operand kind.
+  __host__ __device__ __forceinline__ static const moe_gemm_params<T>& gemm(const params& p) {
+    if constexpr (Fp8) return p.g;
+    else return p;
+  }
+  __host__ __device__ __forceinline__ static moe_gemm_params<T>& gemm(params& p) {
+    if constexpr (Fp8) return p.g;
+    else return p;
+  }
+
+  // The token row of a tile's row t (its source in a), or -1 past the tile's rows.
+  __device__ __forceinline__ static std::int64_t token_source(const moe_gemm_params<T>& p, const gpu::moe_m_tile& tile,
+                                                              int t) {
+    if (t >= tile.row_end - tile.row_begin) return -1;
+    const int row = tile.row_begin + t;
+    return Kind == moe_gemm_kind::down ? row : p.row_to_slot[row] / p.top_k;
+  }
+
   // Source row of stage row `r` (weight rows, then token rows), or null past the GEMM or tile.
-  __device__ __forceinline__ static const T* source_row(const moe_gemm_params<T>& p, const gpu::moe_m_tile& tile,
-                                                        int n0, int r) {
+  __device__ __forceinline__ static const E* source_row(const params& pp, const gpu::moe_m_tile& tile, int n0,
+                                                        int r) {
+    const moe_gemm_params<T>& p = gemm(pp);
     if (r < bn) {
       const int col = n0 + (gated ? r % 16 : r);
       if (col >= p.n) return nullptr;
       const std::int64_t row = b_row<Kind>(p, gated ? r / 16 : 0, col);
-      return p.b + (static_cast<std::int64_t>(tile.expert) * p.b_rows_per_expert + row) * p.k;
+      return pp.b + (static_cast<std::int64_t>(tile.expert) * p.b_rows_per_expert + row) * p.k;
     }
-    const int t = r - bn;
-    if (t >= tile.row_end - tile.row_begin) return nullptr;
-    const int row = tile.row_begin + t;
-    const std::int64_t src = Kind == moe_gemm_kind::down ? row : p.row_to_slot[row] / p.top_k;
-    return p.a + src * p.k;
+    const std::int64_t src = token_source(p, tile, r - bn);
+    return src < 0 ? nullptr : pp.a + src * p.k;
   }
 
   // The cp.async copies of K tile `kt` into `stage` for stage rows [First * 4, Last * 4) (the
@@ -73,34 +123,41 @@ struct moe_stream_gemm {
   // read as zeros. `p_any` is any valid address: a copy that reads nothing still names one.
   // Weight copies carry the L2 policy `weight_policy` (and the 256-byte fetch hint if asked).
   template <int First, int Last>
-  __device__ __forceinline__ static void load_stage(T* stage, const T* const (&src)[copies], const T* p_any, int kt,
+  __device__ __forceinline__ static void load_stage(E* stage, const E* const (&src)[copies], const E* p_any, int kt,
                                                     int k, int lane, std::uint64_t weight_policy, bool fetch_256) {
-    const int piece = lane & 7, kcol = kt * bk + piece * 8;
+    const int piece = lane & 7, kcol = kt * bk + piece * chunk;
 #pragma unroll
     for (int i = First; i < Last; ++i) {
       const int r = i * 4 + (lane >> 3);
-      const bool ok = src[i] != nullptr && kcol < k;  // k is a multiple of 8: a piece is wholly in or out
-      const std::uint32_t dst = smem_address(stage + r * bk + swizzled_chunk<bk>(r, piece) * 8);
-      const T* from = ok ? src[i] + kcol : p_any;
+      const bool ok = src[i] != nullptr && kcol < k;  // k is a multiple of chunk: a piece is wholly in or out
+      const std::uint32_t dst = smem_address(stage + r * bk + swizzled_chunk<64>(r, piece) * chunk);
+      const E* from = ok ? src[i] + kcol : p_any;
       if (i >= bn / 4) cp_async_16(dst, from, ok);
+      else if (!l2_policy) fetch_256 ? cp_async_16_fetch_256(dst, from, ok) : cp_async_16(dst, from, ok);
       else if (fetch_256) cp_async_16_hinted<true>(dst, from, ok, weight_policy);
       else cp_async_16_hinted<false>(dst, from, ok, weight_policy);
     }
   }
 
-  // Four k16 steps: A (weight rows) and B (tokens, stored [n][k]) by ldmatrix as the grouped
-  // GEMM reads its tiles.
-  __device__ __forceinline__ static void compute_stage(const T* stage, int lane, int used_blocks,
+  __device__ __forceinline__ static void mma(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+    if constexpr (Fp8) mma_e4m3_16832(d, a, b);
+    else mma_16816<T>::run(d, a, b);
+  }
+
+  // Four steps of 32 bytes of K: A (weight rows) and B (tokens, stored [n][k]) by ldmatrix as the
+  // grouped GEMM reads its tiles. ldmatrix moves 16-byte rows of 8 16-bit values; as bytes, the
+  // fragments it gives are also those of m16n8k32 on e4m3 (4 values per register, in K order).
+  __device__ __forceinline__ static void compute_stage(const E* stage, int lane, int used_blocks,
                                                        float (&acc)[2][token_blocks][4]) {
-    const T* sw = stage;
-    const T* sx = stage + bn * bk;
+    const E* sw = stage;
+    const E* sx = stage + bn * bk;
 #pragma unroll
-    for (int kk = 0; kk < bk / 16; ++kk) {
+    for (int kk = 0; kk < k_steps; ++kk) {
       std::uint32_t a[2][4];
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         const int r = m * 16 + (lane & 15);
-        ldmatrix_x4(a[m], smem_address(sw + r * bk + swizzled_chunk<bk>(r, kk * 2 + (lane >> 4)) * 8));
+        ldmatrix_x4(a[m], smem_address(sw + r * bk + swizzled_chunk<64>(r, kk * 2 + (lane >> 4)) * chunk));
       }
       // Token blocks in pairs by ldmatrix.x4 (lanes 16-31 address the second block), a last
       // odd one by ldmatrix.x2.
@@ -112,17 +169,17 @@ struct moe_stream_gemm {
         if constexpr (token_blocks % 2 == 0) {
           const int r = j * 8 + (lane & 7) + ((lane >> 4) << 3);
           std::uint32_t x[4];
-          ldmatrix_x4(x, smem_address(sx + r * bk + swizzled_chunk<bk>(r, c) * 8));
+          ldmatrix_x4(x, smem_address(sx + r * bk + swizzled_chunk<64>(r, c) * chunk));
           b0[0] = x[0], b0[1] = x[1], b1[0] = x[2], b1[1] = x[3];
         } else {
           const int r = j * 8 + (lane & 7);
-          ldmatrix_x2(b0, smem_address(sx + r * bk + swizzled_chunk<bk>(r, c) * 8));
+          ldmatrix_x2(b0, smem_address(sx + r * bk + swizzled_chunk<64>(r, c) * chunk));
         }
-        mma_16816<T>::run(acc[0][j], a[0], b0);
-        mma_16816<T>::run(acc[1][j], a[1], b0);
+        mma(acc[0][j], a[0], b0);
+        mma(acc[1][j], a[1], b0);
         if (token_blocks % 2 == 0 && j + 1 < used_blocks) {
-          mma_16816<T>::run(acc[0][j + 1], a[0], b1);
-          mma_16816<T>::run(acc[1][j + 1], a[1], b1);
+          mma(acc[0][j + 1], a[0], b1);
+          mma(acc[1][j + 1], a[1], b1);
         }
       }
     }
@@ -215,26 +272,68 @@ struct moe_stream_gemm {
   // n K tiles each (the warp's part of K is the same in every item), so the next item's first
   // tiles are in flight while this one's partial sums are reduced and stored.
   struct loader {
-    const T* src[copies];
+    const E* src[copies];
     std::int64_t item = -1;  // the CTA-local item src[] points into
-    std::uint64_t weight_policy;
+    std::uint64_t weight_policy = 0;
 
     // Issues copies [First, Last) of tile g of the sequence (nothing past `total`).
     template <int First = 0, int Last = copies>
-    __device__ __forceinline__ void issue(const moe_gemm_params<T>& p, int tiles, T* ring, std::int64_t g, int n,
+    __device__ __forceinline__ void issue(const params& pp, int tiles, E* ring, std::int64_t g, int n,
                                           std::int64_t total, int kt_begin, int lane) {
       if (g >= total) return;
+      const moe_gemm_params<T>& p = gemm(pp);
       const std::int64_t j = g / n;
       if (j != item) {
         item = j;
         const item_ref r = item_at(p, tiles, blockIdx.x + j * gridDim.x);
 #pragma unroll
-        for (int i = 0; i < copies; ++i) src[i] = source_row(p, r.tile, r.n0, i * 4 + (lane >> 3));
+        for (int i = 0; i < copies; ++i) src[i] = source_row(pp, r.tile, r.n0, i * 4 + (lane >> 3));
       }
-      load_stage<First, Last>(ring + static_cast<int>(g % stages) * stage_elems, src, p.b,
+      load_stage<First, Last>(ring + static_cast<int>(g % stages) * stage_elems, src, pp.b,
                               kt_begin + static_cast<int>(g % n), p.k, lane, weight_policy, p.weights_fetch_256);
     }
   };
+
+  // fp8: the scales one stage's sums are promoted with, for the thread's accumulators: the
+  // weight block's of each m16 block, and the token's of each accumulator column.
+  struct stage_scales {
+    float b[2];
+    float a[token_blocks][2];
+  };
+  // fp8: where a work item's scales come from: each m16 block's first B row (all 16 rows lie in
+  // one 128-row block: n0 is a multiple of 16, gate and up rows of a column pair alike), and the
+  // token rows of the thread's accumulator columns (-1 past the tile).
+  struct scale_sources {
+    std::int64_t b_row[2];
+    std::int64_t a_src[token_blocks][2];
+  };
+  __device__ __forceinline__ static scale_sources scale_sources_of(const moe_gemm_params<T>& p, const item_ref& r,
+                                                                   int lane) {
+    scale_sources s;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) s.b_row[m] = b_row<Kind>(p, gated ? m : 0, r.n0 + (gated ? 0 : 16 * m));
+#pragma unroll
+    for (int b = 0; b < token_blocks; ++b)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) s.a_src[b][q] = token_source(p, r.tile, b * 8 + 2 * (lane & 3) + q);
+    return s;
+  }
+  // The token scales were written by the kernel before (the quantizer): read from L2.
+  __device__ __forceinline__ static stage_scales stage_scales_at(const params& pp, const scale_sources& src,
+                                                                 int expert, int kt) {
+    stage_scales s{};
+    if constexpr (Fp8) {
+      const int k_tiles = pp.g.k / bk;
+#pragma unroll
+      for (int m = 0; m < 2; ++m) s.b[m] = fp8_b_block_scale(pp, expert, src.b_row[m], kt);
+#pragma unroll
+      for (int b = 0; b < token_blocks; ++b)
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+          s.a[b][q] = src.a_src[b][q] < 0 ? 0.0f : __ldcg(pp.a_scale + src.a_src[b][q] * k_tiles + kt);
+    }
+    return s;
+  }
 
   // GEMM2's weights depend on nothing GEMM1 writes, and its schedule was written before GEMM1
   // started: launched as GEMM1's programmatic dependent, it loads its first weight tiles while
@@ -245,7 +344,8 @@ struct moe_stream_gemm {
   // and stores. Ring discipline as the grouped GEMM's, per warp: stages - 1 tiles in flight,
   // groups committed even when empty; the __syncwarp after the wait makes every lane's copies
   // visible and orders the ldmatrix reads of the tile before the copies that overwrite it.
-  __device__ __forceinline__ static void run(T* ring, float* red, const moe_gemm_params<T>& p) {
+  __device__ __forceinline__ static void run(E* ring, float* red, const params& pp) {
+    const moe_gemm_params<T>& p = gemm(pp);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tiles = read_schedule(p, p.tile_count);
     const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles;
@@ -254,27 +354,27 @@ struct moe_stream_gemm {
     split_k_range((p.k + bk - 1) / bk, warp, warps, kt_begin, kt_end);  // as even as integer division gives
     const int n = kt_end - kt_begin;
     const std::int64_t total = items * n;
-    T* my_ring = ring + warp * stages * stage_elems;
+    E* my_ring = ring + warp * stages * stage_elems;
 
     loader ld;
-    ld.weight_policy = l2_load_policy(p.weights_evict_first);
+    if constexpr (l2_policy) ld.weight_policy = l2_load_policy(p.weights_evict_first);
     if constexpr (early_weights) {
       // The first tiles' weights before the wait, each tile a group; their token rows after it,
       // one more group, which the first wait below takes whole.
 #pragma unroll
       for (int s = 0; s < stages - 1; ++s) {
-        ld.template issue<0, bn / 4>(p, tiles, my_ring, s, n, total, kt_begin, lane);
+        ld.template issue<0, bn / 4>(pp, tiles, my_ring, s, n, total, kt_begin, lane);
         cp_async_commit();
       }
       wait_for_prior_grids();
 #pragma unroll
       for (int s = 0; s < stages - 1; ++s)
-        ld.template issue<bn / 4, copies>(p, tiles, my_ring, s, n, total, kt_begin, lane);
+        ld.template issue<bn / 4, copies>(pp, tiles, my_ring, s, n, total, kt_begin, lane);
       cp_async_commit();
     } else {
 #pragma unroll
       for (int s = 0; s < stages - 1; ++s) {
-        ld.issue(p, tiles, my_ring, s, n, total, kt_begin, lane);
+        ld.issue(pp, tiles, my_ring, s, n, total, kt_begin, lane);
         cp_async_commit();
       }
       // After this GEMM's own first copies, so that they reach HBM first.
@@ -294,15 +394,33 @@ struct moe_stream_gemm {
         for (int b = 0; b < token_blocks; ++b)
 #pragma unroll
           for (int q = 0; q < 4; ++q) acc[m][b][q] = 0.0f;
+      [[maybe_unused]] scale_sources sources;
+      if constexpr (Fp8) sources = scale_sources_of(p, r, lane);
       for (int i = 0; i < n; ++i) {
         const std::int64_t g = j * n + i;
+        // fp8: the stage's scales asked for first, their latency under the ring's wait.
+        [[maybe_unused]] const stage_scales sc = stage_scales_at(pp, sources, r.tile.expert, kt_begin + i);
         if (early_weights && g == 0) cp_async_wait<0>();
         else cp_async_wait<stages - 2>();
         __syncwarp();
-        ld.issue(p, tiles, my_ring, g + stages - 1, n, total, kt_begin, lane);
+        ld.issue(pp, tiles, my_ring, g + stages - 1, n, total, kt_begin, lane);
         cp_async_commit();
         if (!early_weights && p.next.at_end && g == last_issue) prefetch_next_weights(p, tiles);
-        compute_stage(my_ring + static_cast<int>(g % stages) * stage_elems, lane, used_blocks, acc);
+        const E* stage = my_ring + static_cast<int>(g % stages) * stage_elems;
+        if constexpr (Fp8) {
+          // A fresh f32 block per 128 K, added in with its scales (the tensor cores' fp8 sums
+          // span no more than the block, as in the wgmma fp8 kernels).
+          float part[2][token_blocks][4] = {};
+          compute_stage(stage, lane, used_blocks, part);
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int b = 0; b < token_blocks; ++b)
+#pragma unroll
+              for (int q = 0; q < 4; ++q) acc[m][b][q] = fmaf(part[m][b][q], sc.b[m] * sc.a[b][q & 1], acc[m][b][q]);
+        } else {
+          compute_stage(stage, lane, used_blocks, acc);
+        }
       }
 
       // Partial sums to shared memory: accumulator q of (block m, tokens b) is weight row
@@ -317,7 +435,7 @@ struct moe_stream_gemm {
             mine[(b * 8 + 2 * (lane & 3) + (q & 1)) * red_stride + m * 16 + (lane >> 2) + (q >> 1) * 8] =
                 acc[m][b][q];
       __syncthreads();
-      if (threadIdx.x < out_vectors) store(red, p, r.tile, r.n0, tile_rows, threadIdx.x);
+      if (threadIdx.x < out_vectors) store(red, pp, r.tile, r.n0, tile_rows, threadIdx.x);
       // The next item overwrites the partial sums.
       __syncthreads();
     }
@@ -337,8 +455,9 @@ struct moe_stream_gemm {
     }
   }
 
-  __device__ __forceinline__ static void store(const float* red, const moe_gemm_params<T>& p,
-                                               const gpu::moe_m_tile& tile, int n0, int tile_rows, int vector) {
+  __device__ __forceinline__ static void store(const float* red, const params& pp, const gpu::moe_m_tile& tile,
+                                               int n0, int tile_rows, int vector) {
+    const moe_gemm_params<T>& p = gemm(pp);
     constexpr int vecs_per_token = out_cols / 8;
     const int token = vector / vecs_per_token, c = (vector % vecs_per_token) * 8;
     const int col = n0 + c;
@@ -346,28 +465,59 @@ struct moe_stream_gemm {
     float v[8], u[8];
     sum8(v, red, token, c);
     if constexpr (gated) sum8(u, red, token, c + out_cols);
-    store_outputs8<T, Kind>(p, tile.expert, tile.row_begin + token, col, v, u);
+    const int row = tile.row_begin + token;
+    if constexpr (Fp8) {
+      if (pp.b_scaling == fp8_weight_scaling::per_channel) {
+        const float* chan = pp.b_scale + static_cast<std::int64_t>(tile.expert) * p.b_rows_per_expert;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          v[e] *= __ldg(chan + b_row<Kind>(p, 0, col + e));
+          if constexpr (gated) u[e] *= __ldg(chan + b_row<Kind>(p, 1, col + e));
+        }
+      }
+      if constexpr (Kind != moe_gemm_kind::down) {
+        store_act_f32(pp, row, col, v, u);
+        return;
+      }
+    }
+    store_outputs8<T, Kind>(p, tile.expert, row, col, v, u);
+  }
+
+  // fp8 GEMM1: act = activation(gate, up) in f32 (the router weight first where applied on the
+  // input), eight values of row `row` from column col.
+  __device__ __forceinline__ static void store_act_f32(const params& pp, int row, int col, float (&v)[8],
+                                                       float (&u)[8]) {
+    const moe_gemm_params<T>& p = gemm(pp);
+    const float scale = p.input_weights != nullptr ? p.input_weights[p.row_to_slot[row]] : 1.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = apply_activation(p.act, gated, v[e] * scale, gated ? u[e] * scale : 0.0f);
+    float4* dst = reinterpret_cast<float4*>(pp.act_f32 + static_cast<std::int64_t>(row) * p.n + col);
+    dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+    dst[1] = make_float4(v[4], v[5], v[6], v[7]);
   }
 };
 
 // Persistent CTAs over (M tile, N tile) items in decode_work_item's order; K is split among a
 // CTA's warps only. As the other GEMMs, GEMM1 zeroes the output GEMM2 adds into (p.clear).
-template <class T, class Policy, moe_gemm_kind Kind>
-__global__ void __launch_bounds__(Policy::tuning.threads()) moe_stream_gemm_kernel(const moe_gemm_params<T> p) {
+template <class T, class Policy, moe_gemm_kind Kind, bool Fp8 = false>
+__global__ void __launch_bounds__(Policy::tuning.threads())
+    moe_stream_gemm_kernel(const typename moe_stream_gemm<T, Policy, Kind, Fp8>::params pp) {
   if constexpr (compiled_sm < Policy::tuning.min_arch) {
     __trap();
   } else {
-    using tile_t = moe_stream_gemm<T, Policy, Kind>;
+    using tile_t = moe_stream_gemm<T, Policy, Kind, Fp8>;
+    const moe_gemm_params<T>& p = tile_t::gemm(pp);
     __shared__ __align__(16) float red[tile_t::red_floats];
     __shared__ local_plan plan;
     extern __shared__ __align__(128) unsigned char stream_smem_raw[];
-    T* ring = reinterpret_cast<T*>(stream_smem_raw);
+    auto* ring = reinterpret_cast<typename tile_t::E*>(stream_smem_raw);
     // Launched as a programmatic dependent of the kernel before it: GEMM1 reads its output (the
     // plan, or topk_ids) from the start; GEMM2 waits inside run, after its first weight copies
     // (topk_ids and the plan came before GEMM1, which passed its own wait before letting GEMM2 start).
     if constexpr (!tile_t::early_weights) wait_for_prior_grids();
     allow_dependent_grids();
-    moe_gemm_params<T> q = p;
+    typename tile_t::params qq = pp;
+    moe_gemm_params<T>& q = tile_t::gemm(qq);
     if (p.local_ids != nullptr) {
       const bool writes_plan = Kind != moe_gemm_kind::down && blockIdx.x == 0;
       build_local_plan<tile_t::threads>(p.local_ids, p.local_slots, p.local_experts, tile_t::bm, plan,
@@ -378,7 +528,7 @@ __global__ void __launch_bounds__(Policy::tuning.threads()) moe_stream_gemm_kern
       q.row_to_slot = plan.row_to_slot;
     }
     if constexpr (Kind != moe_gemm_kind::down) clear_output(p, static_cast<int>(threadIdx.x), tile_t::threads);
-    tile_t::run(ring, red, q);
+    tile_t::run(ring, red, qq);
   }
 }
 

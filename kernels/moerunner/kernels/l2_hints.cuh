@@ -36,6 +36,14 @@ __device__ __forceinline__ void cp_async_16_hinted(std::uint32_t dst, const void
                  : "memory");
 }
 
+// cp_async_16 with only the hint that L2 fetch the whole 256-byte block around the 16 bytes (no
+// policy).
+__device__ __forceinline__ void cp_async_16_fetch_256(std::uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
 // Asks L2 for `bytes` at `p` (16-byte aligned, a multiple of 16) and returns at once.
 __device__ __forceinline__ void prefetch_l2(const void* p, std::uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -8,6 +8,11 @@
 //     16-byte cp.async into the same 128-byte-swizzled layout (zero fill past k, and past the
 //     tile's rows in 128-row tiles). A is gathered (row r of the tile is x[row_to_slot[r] /
 //     top_k]), which one 2D TMA box cannot express; 128 one-row boxes per K tile would serialize.
+//     With p.a_gathered (prefill GEMM1: a kernel before wrote x's rows in plan order), thread 0
+//     loads the A rows by one TMA box too, and the stage completes on its one arrival and the
+//     byte count: the other producer threads idle (the cp.async gathers kept too few bytes in
+//     flight at prefill: bench/NOTES.md, round 10). Rows past the tile are whatever follows
+//     (their results are never stored; a wgmma row reads only its own A row), zeros past R.
 //   consumers, 128-row tiles: each owns 64 rows and runs four m64n256k16 wgmma per K tile
 //     straight from the shared-memory ring; the f32 accumulators stay in registers and the
 //     epilogue pairs gate column j (register block j) with up column j (block j + 16).
@@ -48,6 +53,7 @@
 #include "moerunner/kernels/activation_math.cuh"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
 #include "moerunner/kernels/pdl.cuh"
+#include "moerunner/kernels/sm90_cluster_tiles.cuh"
 #include "moerunner/kernels/sm90_ptx.cuh"
 #include "moerunner/kernels/sm90_wgmma_epilogue.cuh"
 
@@ -75,8 +81,9 @@ struct moe_gemm_wgmma {
   static constexpr int rows_per_pass = producer_threads / chunks_per_row;  // 16
   static constexpr int a_passes = bm / rows_per_pass;
   static constexpr int k_steps = bk / 16;  // wgmma per K tile
-  // Registers: the producer needs few; consumers hold 128 accumulators each.
-  static constexpr int producer_regs = 56, consumer_regs = 216;
+  // Registers: the producer needs few (with both A paths, 72 keeps the 2-CTA kernels free of
+  // spills; 56 spilled 36 bytes); consumers hold 128 accumulators each.
+  static constexpr int producer_regs = 72, consumer_regs = 216;
 
   static_assert(gpu::check_wgmma_gemm_tuning(tuning));
   static_assert(sizeof(T) == 2, "the tile layout is written for 16-bit elements");
@@ -91,33 +98,9 @@ struct moe_gemm_wgmma {
     std::uint64_t empty[stages];
   };
 
-  // The CTA's place in its cluster and the cluster's in the grid; work items go to clusters.
-  struct cta_place {
-    int rank;      // in the cluster
-    int first;     // first work item: the cluster's index
-    int stride;    // clusters in the grid
-  };
-
-  __device__ __forceinline__ static cta_place place() {
-    if constexpr (cluster == 1) {
-      return {0, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
-    } else {
-      // Clusters span consecutive CTAs along x, rank = blockIdx.x % cluster.
-      return {static_cast<int>(cuda::ptx::get_sreg_cluster_ctarank()), static_cast<int>(blockIdx.x) / cluster,
-              static_cast<int>(gridDim.x) / cluster};
-    }
-  }
-
-  // This CTA's rows of schedule tile t: all of them, or in a cluster its block_m-row part
-  // (possibly none: row_begin == row_end).
+  __device__ __forceinline__ static cta_place place() { return cluster_place<cluster>(); }
   __device__ __forceinline__ static gpu::moe_m_tile cta_rows(const gpu::moe_m_tile& t, int rank) {
-    if constexpr (cluster == 1) {
-      return t;
-    } else {
-      const int begin = t.row_end - t.row_begin > rank * bm ? t.row_begin + rank * bm : t.row_end;
-      const int end = t.row_end - begin > bm ? begin + bm : t.row_end;
-      return {t.expert, begin, end, 0};
-    }
+    return cluster_cta_rows<cluster, bm>(t, rank);
   }
 
   // The tile's bn B rows as two boxes of the 4D tensor map (weight_tensor_map): for gate_up the
@@ -140,6 +123,34 @@ struct moe_gemm_wgmma {
       else
         cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, map, coords, bar,
                                         static_cast<std::uint16_t>((1u << cluster) - 1));
+    }
+  }
+
+  // p.a_gathered: thread 0 alone, A and B by TMA per K tile.
+  __device__ static void producer_tma(const moe_gemm_params<T>& p, const CUtensorMap* a_map,
+                                      const CUtensorMap* b_map, unsigned char* ring, barriers& bars) {
+    const int k_tiles = (p.k + bk - 1) / bk;
+    const int tiles = *p.tile_count;
+    const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles * p.k_splits;
+    const cta_place me = place();
+    std::uint32_t it = 0;
+    for (std::int64_t w = me.first; w < work; w += me.stride) {
+      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, p.raster_band);
+      const int n0 = item.n_tile * out_cols;
+      const gpu::moe_m_tile tile = cta_rows(p.tiles[item.m_tile], me.rank);
+      int kt_begin = 0, kt_end = 0;
+      split_k_range(k_tiles, item.split, p.k_splits, kt_begin, kt_end);
+      for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
+        const int stage = static_cast<int>(it % stages);
+        mbarrier_wait(&bars.empty[stage], ((it / stages) & 1) ^ 1);
+        unsigned char* sa = ring + stage * tuning.stage_bytes();
+        cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
+                                             &bars.full[stage], static_cast<std::uint32_t>(a_bytes + b_bytes));
+        const std::int32_t a_coords[4] = {kt * bk, tile.row_begin, 0, 0};
+        cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sa, a_map, a_coords,
+                                        &bars.full[stage]);
+        load_b(b_map, &bars.full[stage], sa + a_bytes, kt * bk, n0, tile.expert, me.rank, p.interleaved);
+      }
     }
   }
 
@@ -347,7 +358,8 @@ struct moe_gemm_wgmma {
 // which is how the launch code tells that it cannot run (see gpu::wgmma_gemm_available).
 template <class T, class Policy, moe_gemm_kind Kind>
 __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
-    moe_grouped_gemm_wgmma_kernel(const moe_gemm_params<T> p, const __grid_constant__ CUtensorMap b_map) {
+    moe_grouped_gemm_wgmma_kernel(const moe_gemm_params<T> p, const __grid_constant__ CUtensorMap b_map,
+                                  const __grid_constant__ CUtensorMap a_map) {
 #if MOERUNNER_WGMMA_COMPILED
   using tile_t = moe_gemm_wgmma<T, Policy, Kind>;
   __shared__ typename tile_t::barriers bars;
@@ -358,13 +370,15 @@ __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
   unsigned char* ring = wgmma_smem_raw + (((raw + 1023) & ~1023u) - raw);
   if (threadIdx.x == 0) {
     for (int s = 0; s < tile_t::stages; ++s) {
-      // Producer threads each arrive once, and thread 0 once more with the TMA byte count.
-      cuda::ptx::mbarrier_init(&bars.full[s], tile_t::producer_threads + 1);
+      // Producer threads each arrive once, and thread 0 once more with the TMA byte count; with
+      // A by TMA (a_gathered), thread 0 alone.
+      cuda::ptx::mbarrier_init(&bars.full[s], p.a_gathered ? 1 : tile_t::producer_threads + 1);
       // Every consumer warp of the cluster releases every CTA's stage (see the top).
       cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps * tile_t::cluster);
     }
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&b_map) : "memory");
+    if (p.a_gathered) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&a_map) : "memory");
   }
   // The peer CTA arrives on these barriers and multicasts into this ring: both must be set up.
   if constexpr (tile_t::cluster > 1) cluster_sync();
@@ -375,7 +389,8 @@ __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
   allow_dependent_grids();
   if (threadIdx.x < tile_t::producer_threads) {
     if constexpr (tile_t::consumers > 1) setmaxnreg_dec<tile_t::producer_regs>();
-    tile_t::producer(p, &b_map, ring, bars);
+    if (!p.a_gathered) tile_t::producer(p, &b_map, ring, bars);
+    else if (threadIdx.x == 0) tile_t::producer_tma(p, &a_map, &b_map, ring, bars);
   } else {
     if constexpr (tile_t::consumers > 1) setmaxnreg_inc<tile_t::consumer_regs>();
     tile_t::consumer(p, ring, bars);
@@ -383,7 +398,7 @@ __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
   // The peer's last releases and multicasts land in this CTA's shared memory: stay until both are done.
   if constexpr (tile_t::cluster > 1) cluster_sync();
 #else
-  (void)p, (void)b_map;
+  (void)p, (void)b_map, (void)a_map;
   __trap();
 #endif
 }

@@ -9,6 +9,13 @@
 // (loaded as four 64-row TMA boxes: gate, up of warpgroup 0, then of warpgroup 1), so the CTA
 // covers 128 act columns, one quantization group; otherwise 128 consecutive rows.
 //
+// Pairs (Cluster 2, where experts see many rows): two CTAs on one 128-row schedule tile, CTA rank
+// r on its rows [64 r, 64 r + 64); rank r loads half the B boxes and multicasts them into both
+// CTAs' rings (both full barriers expect the whole B tile), and each consumer warp releases the
+// stage in both CTAs, so neither producer refills it before both have read it: a CTA draws 24 KB
+// per stage instead of 40. Both run every K tile of every item (a CTA without rows keeps the
+// protocol with idle consumers); cluster barriers after the barriers' set-up and before exit.
+//
 // Precision: the tensor cores add fp8 products with fewer mantissa bits than f32 (about 14),
 // so a K tile's four wgmma run into a fresh f32 block (scale-d 0 on the first) that the
 // consumer then adds into its f32 accumulators times the row's A scale and the block's B scale
@@ -37,28 +44,15 @@
 
 #include "moerunner/gpu/fp8_plan.hpp"
 #include "moerunner/kernels/activation_math.cuh"
+#include "moerunner/kernels/kernel_fp8_gemm_params.cuh"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
 #include "moerunner/kernels/kernel_quantize_fp8.cuh"
 #include "moerunner/kernels/pdl.cuh"
+#include "moerunner/kernels/sm90_cluster_tiles.cuh"
 #include "moerunner/kernels/sm90_ptx.cuh"
 #include "moerunner/kernels/sm90_wgmma_epilogue.cuh"
 
 namespace moerunner::kernels {
-
-// T: the output's 16-bit type (GEMM2's rows and output). `g` carries the schedule, sizes, row
-// order, router weights and GEMM2's store as for the 16-bit kernels; its a, b and c are not read
-// here except GEMM2's c (the output or rows).
-template <class T>
-struct moe_gemm_fp8_params {
-  moe_gemm_params<T> g;
-  const std::uint8_t* a = nullptr;  // e4m3: GEMM1 x [M, k] (rows gathered), GEMM2 act [R, k]
-  const float* a_scale = nullptr;   // [rows of a, k / 128]
-  const float* b_scale = nullptr;   // block128: [E, b_rows_per_expert / 128, k / 128]; per_tensor:
-                                    // [E]; per_channel: [E, b_rows_per_expert]
-  fp8_weight_scaling b_scaling = fp8_weight_scaling::block128;
-  std::uint8_t* act = nullptr;      // GEMM1: e4m3 act [R, n]
-  float* act_scale = nullptr;       // GEMM1: [R, n / 128]
-};
 
 // The tile's constants (sizes from the run plan's), shared with the launch code.
 struct wgmma_fp8_shape {
@@ -80,9 +74,11 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-template <class T, moe_gemm_kind Kind>
+template <class T, moe_gemm_kind Kind, int Cluster>
 struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
-  static constexpr int bm = block_m, bn = block_n, bk = block_k;
+  static_assert(Cluster == 1 || Cluster == 2, "CTAs run alone or in pairs along M");
+  static constexpr int bm = block_m, bn = block_n, bk = block_k, cluster = Cluster;
+  static constexpr int schedule_block_m = block_m * Cluster;
   static constexpr int halves = Kind == moe_gemm_kind::gate_up ? 2 : 1;
   static constexpr int out_cols = bn / halves;        // output columns per CTA: 128 gated, else 256
   static constexpr int box_rows = halves == 2 ? 64 : 128;
@@ -127,11 +123,12 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
     const std::int64_t b_scale_rows = g.b_rows_per_expert / fp8_group;
     const int tiles = *g.tile_count;
     const std::int64_t work = static_cast<std::int64_t>(tiles) * g.n_tiles * g.k_splits;
+    const cta_place me = cluster_place<Cluster>();
     std::uint32_t it = 0;
-    for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+    for (std::int64_t w = me.first; w < work; w += me.stride) {
       const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
       const int n0 = item.n_tile * out_cols;
-      const gpu::moe_m_tile tile = g.tiles[item.m_tile];
+      const gpu::moe_m_tile tile = cluster_cta_rows<Cluster, bm>(g.tiles[item.m_tile], me.rank);
       int kt_begin = 0, kt_end = 0;
       split_k_range(k_tiles, item.split, g.k_splits, kt_begin, kt_end);
       int a_src_row[a_passes];
@@ -160,14 +157,21 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
         if (tid == 0) {
           cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
                                                &bars.full[stage], static_cast<std::uint32_t>(b_bytes));
+          // In a pair, rank r loads half the boxes into both CTAs (same offsets, both full barriers).
 #pragma unroll
           for (int b = 0; b < boxes; ++b) {
+            if (Cluster > 1 && b / (boxes / Cluster) != me.rank) continue;
             int col = 0, half = 0;
             box_origin(b, n0, col, half);
             const bool swapped = halves == 2 && g.interleaved;
             const std::int32_t coords[4] = {kt * bk, swapped ? half : col, swapped ? col : half, tile.expert};
-            cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global,
-                                            sa + a_bytes + b * box_rows * bk, b_map, coords, &bars.full[stage]);
+            unsigned char* dst = sa + a_bytes + b * box_rows * bk;
+            if constexpr (Cluster == 1)
+              cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, b_map, coords,
+                                              &bars.full[stage]);
+            else
+              cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, b_map, coords,
+                                              &bars.full[stage], static_cast<std::uint16_t>((1u << Cluster) - 1));
           }
         }
         const int kcol = kt * bk + ld_chunk * 16;
@@ -203,14 +207,18 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
     const int tiles = *g.tile_count;
     const std::int64_t work = static_cast<std::int64_t>(tiles) * g.n_tiles * g.k_splits;
     const std::uint32_t ring_addr = smem_address(ring);
+    const cta_place me = cluster_place<Cluster>();
     std::uint32_t it = 0;
     int exchange = 0;  // which half of amax_exchange this item uses (see the gate_up epilogue)
     float acc[64], part[64];
-    for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+    for (std::int64_t w = me.first; w < work; w += me.stride) {
       const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
       const int n0 = item.n_tile * out_cols;
-      const gpu::moe_m_tile tile = g.tiles[item.m_tile];
+      const gpu::moe_m_tile tile = cluster_cta_rows<Cluster, bm>(g.tiles[item.m_tile], me.rank);
       const int rows = tile.row_end - tile.row_begin;
+      // A CTA of a pair with no rows of the tile keeps the protocol with idle consumers: the
+      // peer needs its half of the weights and its releases.
+      const bool active = rows > 0;
       int kt_begin = 0, kt_end = 0;
       split_k_range(k_tiles, item.split, g.k_splits, kt_begin, kt_end);
 #pragma unroll
@@ -223,14 +231,16 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
         const std::uint32_t sa = ring_addr + stage * stage_bytes;
         const std::uint64_t da = sw128_kmajor_desc(sa);
         const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + group * 128 * bk);
-        wgmma_fence();
+        if (active) {
+          wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < k_steps; ++kk) {
-          const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
-          wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
+          for (int kk = 0; kk < k_steps; ++kk) {
+            const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
+            wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
+          }
+          wgmma_commit();
+          wgmma_wait<0>();
         }
-        wgmma_commit();
-        wgmma_wait<0>();
         wgmma_fence_operands(part);
         const unsigned char* stage_ptr = ring + stage * stage_bytes;
         const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
@@ -240,14 +250,21 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
         const float sb0 = per_channel ? 1.0f : b_scale_s[group * halves];
         const float sb1 = per_channel ? 1.0f : b_scale_s[group * halves + halves - 1];
         __syncwarp();
-        if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.empty[stage]);
+        // The stage is free again for this CTA's producer and, in a pair, for the peer's, which
+        // multicasts into it.
+        if (lane == 0) {
+          cuda::ptx::mbarrier_arrive(&bars.empty[stage]);
+          if constexpr (Cluster == 2)
+            mbarrier_arrive_cluster(&bars.empty[stage], static_cast<std::uint32_t>(me.rank ^ 1));
+        }
+        if (!active) continue;
         // Register 4j + 2h + q: row r0 + 8h, column 8j + 2(lane % 4) + q of the warpgroup's 128
         // B rows (gate_up: j < 8 gate rows, j >= 8 their up rows).
         const float f[2][2] = {{sa0 * sb0, sa0 * sb1}, {sa1 * sb0, sa1 * sb1}};
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[i]);
       }
-      if (rows <= 0) continue;
+      if (!active) continue;
       if constexpr (Kind == moe_gemm_kind::down) {
         const int col_base = n0 + 128 * group;
         const float* chan = p.b_scale + static_cast<std::int64_t>(tile.expert) * g.b_rows_per_expert;
@@ -335,11 +352,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
 // Persistent CTAs over work items in decode_work_item's order, K split into g.k_splits ranges
 // (GEMM2 into the output or f32 parts only). The body exists only in sm_90a code; elsewhere it
 // traps (the launch code checks first).
-template <class T, moe_gemm_kind Kind>
+template <class T, moe_gemm_kind Kind, int Cluster>
 __global__ void __launch_bounds__(wgmma_fp8_shape::threads, 1)
     moe_grouped_gemm_wgmma_fp8_kernel(const moe_gemm_fp8_params<T> p, const __grid_constant__ CUtensorMap b_map) {
 #if MOERUNNER_WGMMA_COMPILED
-  using tile_t = moe_gemm_wgmma_fp8<T, Kind>;
+  using tile_t = moe_gemm_wgmma_fp8<T, Kind, Cluster>;
   __shared__ typename tile_t::barriers bars;
   __shared__ float amax_exchange[2][tile_t::consumers][tile_t::block_m];
   extern __shared__ unsigned char wgmma_fp8_smem_raw[];
@@ -348,12 +365,15 @@ __global__ void __launch_bounds__(wgmma_fp8_shape::threads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < tile_t::stages; ++s) {
       cuda::ptx::mbarrier_init(&bars.full[s], tile_t::producer_threads + 1);
-      cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps);
+      // Every consumer warp of the cluster releases every CTA's stage (see the consumer).
+      cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps * Cluster);
     }
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&b_map) : "memory");
   }
-  __syncthreads();
+  // The peer arrives on these barriers and multicasts into this ring: both must be set up.
+  if constexpr (Cluster > 1) cluster_sync();
+  else __syncthreads();
   wait_for_prior_grids();
   allow_dependent_grids();
   if (threadIdx.x < tile_t::producer_threads) {
@@ -363,6 +383,8 @@ __global__ void __launch_bounds__(wgmma_fp8_shape::threads, 1)
     setmaxnreg_inc<tile_t::consumer_regs>();
     tile_t::consumer(p, ring, bars, amax_exchange);
   }
+  // The peer's last releases and multicasts land in this CTA's shared memory: stay until both are done.
+  if constexpr (Cluster > 1) cluster_sync();
 #else
   (void)p, (void)b_map;
   __trap();

@@ -9,6 +9,7 @@
 #endif
 
 #include <cstdint>
+#include <cstdio>
 #include <type_traits>
 
 #include <cuda/ptx>
@@ -188,9 +189,24 @@ __device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
                : "memory");
 }
 
+// With MOERUNNER_BARRIER_WATCHDOG defined (a debugging build: meson setup
+// -Dcuda_args=-DMOERUNNER_BARRIER_WATCHDOG), a wait whose phase has not completed after 2^33
+// cycles (seconds) prints the barrier's shared-memory address, the parity, the block, thread and
+// cluster rank, and traps: a protocol hang then fails and says where it stalled.
 __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, std::uint32_t parity) {
+#if defined(MOERUNNER_BARRIER_WATCHDOG)
+  const long long start = clock64();
+  while (!cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
+    if (clock64() - start > (1ll << 33)) {
+      printf("moerunner: mbarrier wait stalled: smem 0x%x parity %u block %u thread %u cluster rank %u\n",
+             sm90_detail::shared_address(bar), parity, blockIdx.x, threadIdx.x, cuda::ptx::get_sreg_cluster_ctarank());
+      __trap();
+    }
+  }
+#else
   while (!cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
   }
+#endif
 }
 
 // Arrives on the mbarrier at `bar`'s offset in the shared memory of the cluster's CTA `rank`,

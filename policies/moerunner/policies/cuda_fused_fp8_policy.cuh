@@ -1,31 +1,38 @@
-// The `cuda_fused_fp8` backend: the runner core in fp8 e4m3 on Hopper's fp8 wgmma, sm_90a only,
-// for the three fp8 weight formats: 128 x 128 block scales (DeepSeek-V3's, fp8_block_quant_info),
-// one scale per expert matrix (fp8_tensor_quant_info) or per output channel
-// (fp8_channel_quant_info).
+// The `cuda_fused_fp8` backend: the runner core in fp8 e4m3 on Hopper (sm_90a only), for the
+// three fp8 weight formats: 128 x 128 block scales (DeepSeek-V3's, fp8_block_quant_info), one
+// scale per expert matrix (fp8_tensor_quant_info) or per output channel (fp8_channel_quant_info).
 //
 // Pipeline, all on the caller's stream, nothing on the host in between (CUDA-graph capturable):
-//   routing plan and 64-row M-tile schedule (the plan kernel, as cuda_fused)
+//   routing plan and M-tile schedule (the plan kernel, as cuda_fused): tiles of 64 rows, or of
+//      128 for pairs of CTAs sharing each weight tile where experts average more than 64 rows
 //   -> the input rows quantized per token in groups of 128 into the workspace (e4m3 + an f32
 //      scale per group), unless hidden_states come as e4m3 with hidden_scales
-//   -> GEMM1: e4m3 x rows gathered inside the load, times w13[e]^T, each 128-K block's sum added
-//      into f32 times its row's x scale and the weight block's (or the matrix's) scale; per
-//      channel, the epilogue multiplies each column by its scale instead; the epilogue pairs
-//      gate and up columns, applies the activation in f32 (the router weight first where
-//      applied on the input) and writes act as e4m3 with one scale per row and 128 columns
+//   -> GEMM1: e4m3 x rows gathered inside the load, times w13[e]^T on fp8 wgmma, each 128-K
+//      block's sum added into f32 times its row's x scale and the weight block's (or the
+//      matrix's) scale; per channel, the epilogue multiplies each column by its scale instead;
+//      the epilogue pairs gate and up columns, applies the activation in f32 (the router weight
+//      first where applied on the input) and writes act as e4m3 with one scale per row and 128
+//      columns
 //   -> GEMM2: e4m3 act times w2[e]^T, scaled alike; rows into the output by vector reductions,
 //      or (deterministic, batch-invariant, or short I with many slots) rows that a combine
-//      kernel sums in slot order, or (no_combine) each row to its [token, slot] place; at
-//      decode GEMM2 also splits K (gpu::make_fp8_plan decides, once per run).
+//      kernel sums in slot order, or (no_combine) each row to its [token, slot] place; where
+//      its items are few GEMM2 also splits K.
+// At decode (active experts average at most 4 rows, not batch-invariant) the GEMMs are the
+// stream GEMMs on e4m3 instead (kernel_stream_gemm.cuh, mma.sync m16n8k32 with the same
+// per-128-K promotion): up to 64 slots they order the rows themselves (no plan kernel), GEMM1
+// writes f32 act that the input rows' quantizer turns into e4m3 + scales (its 128-column groups
+// span several of GEMM1's CTAs), and each kernel is its predecessor's programmatic dependent.
+// gpu::make_fp8_plan makes every choice, once per run.
 // The quantization points and rule are the reference's (the fp8 methods on `reference`), so
 // the two agree to the fp8 rounding of values the GEMMs compute in a different order.
 //
 // Requirements, checked with a clear error before anything runs: w13 and w2 e4m3 with f32
-// scales of the format's shape on the device; hidden_states bf16 or f16 (output: the same) or e4m3 with hidden_scales
-// [M, H/128] (output: bf16); hidden_size and intermediate_size multiples of 128; hidden_states,
-// w13 and w2 16-byte aligned, the scales 4-byte, the output 16-byte unless GEMM2 writes rows; an
-// sm_90a image on the device. Expert ids outside [-1, num_local_experts) count as -1 and are
-// reported as cuda_fused reports them (the routing plan's flag, DispatchOutput::status). No
-// biases (the format has none).
+// scales of the format's shape on the device; hidden_states bf16 or f16 (output: the same) or
+// e4m3 with hidden_scales [M, H/128] (output: bf16); hidden_size and intermediate_size multiples
+// of 128; hidden_states, w13 and w2 16-byte aligned, the scales 4-byte, the output 16-byte
+// unless GEMM2 writes rows; an sm_90a image on the device. Expert ids outside
+// [-1, num_local_experts) count as -1 and are reported as cuda_fused reports them (the routing
+// plan's flag, DispatchOutput::status). No biases (the formats have none).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -34,6 +41,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -54,6 +62,7 @@
 #include "moerunner/gpu/routing_plan.hpp"
 #include "moerunner/gpu/sm90_grouped_gemm_wgmma.cuh"
 #include "moerunner/gpu/sm90_grouped_gemm_wgmma_fp8.cuh"
+#include "moerunner/gpu/stream_gemm.cuh"
 #include "moerunner/runner/validate.hpp"
 
 namespace moerunner {
@@ -72,8 +81,12 @@ class cuda_fused_fp8_policy {
   // for the current device or a given one; describe() is one line for a log.
   gpu::fp8_plan plan(std::int64_t num_tokens) const { return plan(num_tokens, gpu::current_device_target_or_none()); }
   gpu::fp8_plan plan(std::int64_t num_tokens, const gpu::device_target& dev) const {
-    return gpu::make_fp8_plan(cfg_, num_tokens, dev);
+    return gpu::make_fp8_plan(cfg_, num_tokens, dev, settings_);
   }
+  // Force the stream GEMMs on or off, or pairs of wgmma CTAs on or off (unset: the plan's rules),
+  // for measuring one against the other (gpu::fp8_settings).
+  void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
+  void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
@@ -150,10 +163,25 @@ class cuda_fused_fp8_policy {
     start = (start + gpu::plan_piece_alignment - 1) / gpu::plan_piece_alignment * gpu::plan_piece_alignment;
     char* base = reinterpret_cast<char*>(start);
 
-    const gpu::plan_and_schedule built = gpu::build_routing_plan_and_schedule(
-        d.topk.topk_ids, cfg_.num_local_experts(), pl.schedule_block_m, base + lay.plan, lay.plan_bytes,
-        base + lay.schedule, lay.schedule_bytes, stream, false, d.status);
-    const gpu::routing_plan& plan = built.plan;
+    // At decode the stream GEMMs may order the rows themselves (no plan kernel): only the plan's
+    // pieces are carved here, and GEMM1's first CTA writes the error flag, status and slot_to_row.
+    const int experts = cfg_.num_local_experts();
+    gpu::routing_plan plan;
+    gpu::tile_schedule schedule;
+    if (pl.schedule_in_gemms) {
+      plan = gpu::carve_routing_plan(d.topk.topk_ids, experts, base + lay.plan, lay.plan_bytes, "cuda_fused_fp8_policy");
+      schedule.capacity = gpu::moe_m_tile_capacity(slots, experts, pl.schedule_block_m);
+      schedule.block_m = pl.schedule_block_m;
+    } else {
+      const gpu::plan_and_schedule built = gpu::build_routing_plan_and_schedule(
+          d.topk.topk_ids, experts, pl.schedule_block_m, base + lay.plan, lay.plan_bytes, base + lay.schedule,
+          lay.schedule_bytes, stream, false, d.status);
+      plan = built.plan;
+      schedule = built.schedule;
+    }
+    // The stream kernels follow one another by programmatic launches (each waits for the one
+    // before it before reading what it wrote).
+    const bool dependent = pl.stream;
 
     const std::uint8_t* x_q = nullptr;
     const float* x_scale = nullptr;
@@ -163,7 +191,7 @@ class cuda_fused_fp8_policy {
     } else {
       auto* q8 = reinterpret_cast<std::uint8_t*>(base + lay.x_q);
       auto* s = reinterpret_cast<float*>(base + lay.x_scale);
-      gpu::quantize_rows_fp8(d.hidden_states.ptr<const T>(), m, hidden, q8, s, stream);
+      gpu::quantize_rows_fp8(d.hidden_states.ptr<const T>(), m, hidden, q8, s, stream, dependent);
       x_q = q8;
       x_scale = s;
     }
@@ -191,6 +219,14 @@ class cuda_fused_fp8_policy {
     g1.b_scaling = q.scaling;
     g1.act = act;
     g1.act_scale = act_scale;
+    if (pl.schedule_in_gemms) {
+      g1.g.local_ids = d.topk.topk_ids.ptr<const std::int32_t>();
+      g1.g.local_slots = static_cast<int>(slots);
+      g1.g.local_experts = experts;
+      g1.g.local_error = plan.error_flag;
+      g1.g.local_status = d.status;
+      if (pl.combine_kernel) g1.g.local_slot_to_row = plan.slot_to_row;
+    }
 
     const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
     const float* row_weights = cfg_.apply_router_weight_on_input() ? nullptr : weights;
@@ -208,21 +244,61 @@ class cuda_fused_fp8_policy {
     g2.a_scale = act_scale;
     g2.b_scale = q.w2_scale;
     g2.b_scaling = q.scaling;
+    g2.g.local_ids = g1.g.local_ids;
+    g2.g.local_slots = g1.g.local_slots;
+    g2.g.local_experts = g1.g.local_experts;
 
-    const int experts = cfg_.num_local_experts();
-    const std::uint8_t* w13 = q.w13;
-    const std::uint8_t* w2 = q.w2;
+    if (pl.stream) {
+      run_stream(g1, g2, q, pl, schedule, base, dev, stream);
+    } else {
+      const std::uint8_t* w13 = q.w13;
+      const std::uint8_t* w2 = q.w2;
+      const auto gemms = [&]<int Cluster>() {
+        if (cfg_.is_gated())
+          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up, Cluster>(g1, w13, experts, schedule, dev, stream);
+        else
+          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster>(g1, w13, experts, schedule, dev, stream);
+        gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster>(g2, w2, experts, schedule, dev, stream);
+      };
+      if (pl.cluster_m == 2) gemms.template operator()<2>();
+      else gemms.template operator()<1>();
+    }
+    gpu::combine_down(g2.g, plan, row_weights, scale, out, stream, dependent);
+  }
+
+  // Decode: GEMM1 on the stream GEMMs into f32 act, act quantized per row and 128 columns by the
+  // input rows' kernel, GEMM2 on the stream GEMMs; each launch the previous one's programmatic
+  // dependent (GEMM2 loads its first weights before its wait).
+  template <class T>
+  void run_stream(kernels::moe_gemm_fp8_params<T>& g1, kernels::moe_gemm_fp8_params<T>& g2, const fp8_weights& q,
+                  const gpu::fp8_plan& pl, const gpu::tile_schedule& schedule, char* base,
+                  const gpu::device_facts& dev, cudaStream_t stream) {
+    using kernels::moe_gemm_kind;
+    using policy = gpu::stream_gemm_fp8_policy;
+    const std::int64_t slots = pl.num_tokens * cfg_.top_k();
+    auto* act_f32 = reinterpret_cast<float*>(base + pl.workspace.act_f32);
+    g1.b = q.w13;
+    g1.act_f32 = act_f32;
+    g2.b = q.w2;
+    // As cuda_fused's stream GEMMs by default (gpu::stream_l2_use): 256-byte fetches where a
+    // warp walks 16 or more 128-byte K tiles; no evict-first policy (kernels::moe_stream_gemm::l2_policy).
+    const gpu::stream_l2_use l2{};
+    g1.g.weights_fetch_256 = gpu::stream_fetch_256<policy>(l2, g1.g.k, 1);
+    g2.g.weights_fetch_256 = gpu::stream_fetch_256<policy>(l2, g2.g.k, 1);
     if (cfg_.is_gated())
-      gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up>(g1, w13, experts, built.schedule, dev, stream);
-    else gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only>(g1, w13, experts, built.schedule, dev, stream);
-    gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down>(g2, w2, experts, built.schedule, dev, stream);
-    gpu::combine_down(g2.g, plan, row_weights, scale, out, stream, false);
+      gpu::launch_moe_stream_gemm<T, policy, moe_gemm_kind::gate_up, true>(g1, schedule, dev, stream, true);
+    else gpu::launch_moe_stream_gemm<T, policy, moe_gemm_kind::up_only, true>(g1, schedule, dev, stream, true);
+    // Rows past the plan's count hold nothing GEMM2 reads; quantizing them is harmless.
+    gpu::quantize_rows_fp8(static_cast<const float*>(act_f32), slots, cfg_.intermediate_size(), g1.act,
+                           g1.act_scale, stream, true);
+    gpu::launch_moe_stream_gemm<T, policy, moe_gemm_kind::down, true>(g2, schedule, dev, stream, true);
   }
 
   // M tiles per raster band: the 16-bit wgmma tunings' (see decode_work_item).
   static constexpr int raster_band = gpu::sm90_wgmma_gemm_policy::tuning.raster_band;
 
   MoeRunnerConfig cfg_;
+  gpu::fp8_settings settings_;
 };
 
 static_assert(explain_dispatch_runner_core<cuda_fused_fp8_policy>());

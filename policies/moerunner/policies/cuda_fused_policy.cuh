@@ -87,6 +87,7 @@
 #include "moerunner/core/types.hpp"
 #include "moerunner/gpu/combine.cuh"
 #include "moerunner/gpu/down_store.cuh"
+#include "moerunner/gpu/gather.cuh"
 #include "moerunner/gpu/grouped_gemm.cuh"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/gpu/permute.cuh"
@@ -132,6 +133,10 @@ class cuda_fused_policy {
   // kernel (see the pipeline above). On by default: measured 12% faster on Qwen3-30B-A3B at one
   // token, 1-4% at 8 tokens (bench/NOTES.md); off runs the plan kernel (benchmarks, tests).
   void set_plan_in_gemms(bool on) noexcept { settings_.plan_in_gemms = on; }
+  // Whether the wgmma GEMM1 loads A by TMA from x's rows gathered in plan order (M*k*H*2 more
+  // workspace bytes) instead of gathering them itself by cp.async; unset, with the 128-row
+  // tiles only (gpu::fused_plan::gather_a), for measuring it.
+  void set_gather_a(std::optional<bool> on) noexcept { settings_.gather_a = on; }
   // The stream GEMMs' use of L2 (gpu::stream_l2_use; the defaults measured fastest), for
   // measuring it.
   void set_stream_l2(const gpu::stream_l2_use& use) {
@@ -155,7 +160,8 @@ class cuda_fused_policy {
 
   // Alignment slack + routing plan + M-tile schedule + act [M*k, I], each piece 256-byte
   // aligned, and when deterministic and combining the rows GEMM2 writes for combine: [M*k, H]
-  // at 2 bytes, or where GEMM2 splits K at decode its f32 parts [splits, M*k, H]. The split
+  // at 2 bytes, or where GEMM2 splits K at decode its f32 parts [splits, M*k, H]; at prefill
+  // (128-row tiles) x's rows gathered in plan order for GEMM1's TMA loads, [M*k, H]. The split
   // count follows the device's SM count: a workspace sized for one device can be too small on
   // another (or under MIG), and the run then throws before anything runs; size it with the
   // target's overload for another device (gpu::device_target_of).
@@ -312,6 +318,14 @@ class cuda_fused_policy {
 
     kernels::moe_gemm_params<T> g1{};
     g1.a = d.hidden_states.ptr<const T>();
+    if (pl.gather_a) {
+      // x's rows in plan order, for GEMM1's TMA loads (a plain launch: the plan comes before).
+      void* gathered = base + lay.gathered;
+      gpu::gather_rows(d.hidden_states, plan, gathered, stream);
+      g1.a = static_cast<const T*>(gathered);
+      g1.a_gathered = true;
+      g1.a_rows = slots;
+    }
     g1.row_to_slot = plan.row_to_slot;
     g1.top_k = k;
     g1.b = q.w13.ptr<const T>();
