@@ -1,5 +1,6 @@
 // moerunner._moerunner.Runner: a MoeRunner of this build's runner set, built from keyword
 // arguments that mirror moe_config_params and validated by MoeRunnerConfig.
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -42,6 +43,12 @@ moe_config_params make_params(int num_experts, int hidden_size, int intermediate
   return p;
 }
 
+// A run's arguments as the caller passed them (see MoeRunner.run).
+struct run_args {
+  nb::handle x, topk_ids, topk_weights, w13, w2, out, workspace, stream, b13, b2, status, hidden_scales, w13_scale,
+      w2_scale;
+};
+
 class runner {
  public:
   runner(std::string_view backend, const moe_config_params& p) : impl_(make_runner(backend, MoeRunnerConfig(p))) {}
@@ -76,21 +83,42 @@ class runner {
 
   // Arrays come as Python objects, converted by tensor_args (None: not given, where optional);
   // stream as an int, None or a stream object (see tensor_args::stream).
-  void run(nb::handle x, nb::handle topk_ids, nb::handle topk_weights, nb::handle w13, nb::handle w2, nb::handle out,
-           nb::handle workspace, nb::handle stream, nb::handle b13, nb::handle b2, nb::handle status,
-           nb::handle hidden_scales, nb::handle w13_scale, nb::handle w2_scale) {
+  void run(const run_args& a) {
+    with_views(a, [this](const DispatchOutput& d, const auto& q, const tensor_view& out, workspace_view ws,
+                         std::uintptr_t stream, int device) { call(d, q, out, ws, stream, device); });
+  }
+
+  // Seconds that `iters` runs of the library take on arguments converted once: the run without
+  // the binding, so that a bench can tell the binding's host cost from the library's.
+  double time_library(int iters, const run_args& a) {
+    MOE_EXPECT(iters > 0, "Runner.time_library", "iters must be positive, got " + std::to_string(iters));
+    double seconds = 0;
+    with_views(a, [&](const DispatchOutput& d, const auto& q, const tensor_view& out, workspace_view ws,
+                      std::uintptr_t stream, int device) {
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < iters; ++i) call(d, q, out, ws, stream, device);
+      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    });
+    return seconds;
+  }
+
+ private:
+  // Converts a run's arguments and calls f(dispatch, quant info, out, workspace, stream, device)
+  // with the quant info their scales name.
+  template <class F>
+  void with_views(const run_args& a, F&& f) {
     constexpr const char* where = "MoeRunner::run";
     const memory_space space = impl_->tensor_space();
     tensor_args views(where);
     DispatchOutput d;
-    d.hidden_states = views(x, "hidden_states");
-    d.hidden_scales = views.optional(hidden_scales, "hidden_scales");
-    d.topk.topk_ids = views(topk_ids, "topk_ids");
-    d.topk.topk_weights = views(topk_weights, "topk_weights");
-    const tensor_view out_view = views(out, "output");
-    const workspace_view ws = views.bytes(workspace, space, "workspace");  // bytes: any dtype, uint8 as a rule
-    if (!status.is_none()) {
-      const tensor_view s = views(status, "status");
+    d.hidden_states = views(a.x, "hidden_states");
+    d.hidden_scales = views.optional(a.hidden_scales, "hidden_scales");
+    d.topk.topk_ids = views(a.topk_ids, "topk_ids");
+    d.topk.topk_weights = views(a.topk_weights, "topk_weights");
+    const tensor_view out_view = views(a.out, "output");
+    const workspace_view ws = views.bytes(a.workspace, space, "workspace");  // bytes: any dtype, uint8 as a rule
+    if (!a.status.is_none()) {
+      const tensor_view s = views(a.status, "status");
       check::type(s, dtype::i32, where, "status");
       check::space(s, space, where, "status");
       check::contiguous(s, where, "status");
@@ -98,21 +126,21 @@ class runner {
                                             s.shape_string());
       d.status = s.ptr<moe_status>();
     }
-    const bool fp8 = !w13_scale.is_none() || !w2_scale.is_none();
+    const bool fp8 = !a.w13_scale.is_none() || !a.w2_scale.is_none();
     // Converted in argument order, so that a call with several bad arguments names the first.
-    const tensor_view w13_view = views(w13, "w13");
-    const tensor_view w2_view = views(w2, "w2");
-    const tensor_view b13_view = views.optional(b13, "b13");
-    const tensor_view b2_view = views.optional(b2, "b2");
-    const tensor_view s13 = views.optional(w13_scale, "w13_scale");
-    const tensor_view s2 = views.optional(w2_scale, "w2_scale");
-    const std::uintptr_t on_stream = views.stream(stream, x);
+    const tensor_view w13_view = views(a.w13, "w13");
+    const tensor_view w2_view = views(a.w2, "w2");
+    const tensor_view b13_view = views.optional(a.b13, "b13");
+    const tensor_view b2_view = views.optional(a.b2, "b2");
+    const tensor_view s13 = views.optional(a.w13_scale, "w13_scale");
+    const tensor_view s2 = views.optional(a.w2_scale, "w2_scale");
+    const std::uintptr_t on_stream = views.stream(a.stream, a.x);
     if (fp8) {
       MOE_EXPECT(b13_view.empty_view() && b2_view.empty_view(), where,
                  "b13 and b2 go with unquantized weights; fp8 weights take no biases");
       // The scales' rank names the format: [E, row blocks, column blocks], [E, rows] or [E].
       const auto fp8_call = [&]<class Q>(std::type_identity<Q>) {
-        call(d, Q{w13_view, s13, w2_view, s2}, out_view, ws, on_stream, views.device());
+        f(d, Q{w13_view, s13, w2_view, s2}, out_view, ws, on_stream, views.device());
       };
       switch (s13.rank) {
         case 3: fp8_call(std::type_identity<fp8_block_quant_info>{}); break;
@@ -123,11 +151,10 @@ class runner {
                                        "tensor), got shape " + s13.shape_string());
       }
     } else {
-      call(d, unquantized_quant_info{w13_view, w2_view, b13_view, b2_view}, out_view, ws, on_stream, views.device());
+      f(d, unquantized_quant_info{w13_view, w2_view, b13_view, b2_view}, out_view, ws, on_stream, views.device());
     }
   }
 
- private:
   // Host runs release the GIL (the reference backend computes in the call); device runs only
   // enqueue work, where releasing it would cost more than it frees.
   template <class QI>
@@ -176,10 +203,27 @@ void bind_runner(nb::module_& m) {
       .def("describe", &runner::describe, nb::arg("num_tokens"))
       // Every argument may be None (nanobind refuses None for a handle unless told): the run
       // names what is missing, as it names what is wrong.
-      .def("run", &runner::run, nb::arg("x").none(), nb::arg("topk_ids").none(), nb::arg("topk_weights").none(),
-           nb::arg("w13").none(), nb::arg("w2").none(), nb::arg("out").none(), nb::arg("workspace").none(),
-           nb::arg("stream").none(), nb::arg("b13").none(), nb::arg("b2").none(), nb::arg("status").none(),
-           nb::arg("hidden_scales").none(), nb::arg("w13_scale").none(), nb::arg("w2_scale").none());
+      .def(
+          "run",
+          [](runner& r, nb::handle x, nb::handle topk_ids, nb::handle topk_weights, nb::handle w13, nb::handle w2,
+             nb::handle out, nb::handle workspace, nb::handle stream, nb::handle b13, nb::handle b2, nb::handle status,
+             nb::handle hidden_scales, nb::handle w13_scale, nb::handle w2_scale) {
+            r.run({x, topk_ids, topk_weights, w13, w2, out, workspace, stream, b13, b2, status, hidden_scales,
+                   w13_scale, w2_scale});
+          },
+          nb::arg("x").none(), nb::arg("topk_ids").none(), nb::arg("topk_weights").none(), nb::arg("w13").none(),
+          nb::arg("w2").none(), nb::arg("out").none(), nb::arg("workspace").none(), nb::arg("stream").none(),
+          nb::arg("b13").none(), nb::arg("b2").none(), nb::arg("status").none(), nb::arg("hidden_scales").none(),
+          nb::arg("w13_scale").none(), nb::arg("w2_scale").none())
+      .def(
+          "time_library",
+          [](runner& r, int iters, nb::handle x, nb::handle topk_ids, nb::handle topk_weights, nb::handle w13,
+             nb::handle w2, nb::handle out, nb::handle workspace, nb::handle stream) {
+            return r.time_library(iters, {x, topk_ids, topk_weights, w13, w2, out, workspace, stream, nb::none(),
+                                          nb::none(), nb::none(), nb::none(), nb::none(), nb::none()});
+          },
+          nb::arg("iters"), nb::arg("x"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w13"),
+          nb::arg("w2"), nb::arg("out"), nb::arg("workspace").none(), nb::arg("stream").none());
 }
 
 }  // namespace moerunner::python

@@ -34,20 +34,10 @@ struct dlpack_exchange_api {
 
 inline constexpr std::uint32_t dlpack_exchange_major = 1;
 
-// The exchange table of `type` when it has one this package can call (major version 1, a
-// dltensor exporter), else null. The attribute is looked up on the type as the specification
-// says, through the interpreter's type attribute cache, so a lookup costs nanoseconds; an
-// attribute that is not such a capsule reads as absent rather than as an error, and the array
-// then goes through `__dlpack__` as any other.
-inline const dlpack_exchange_api* exchange_api_of(PyTypeObject* type) {
-  static PyObject* const name = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
-#if PY_VERSION_HEX >= 0x030D0000
-  PyObject* capsule = _PyType_LookupRef(type, name);  // a new reference
-  const nanobind::object owner = nanobind::steal(capsule);
-#else
-  PyObject* capsule = _PyType_Lookup(type, name);  // borrowed
-#endif
-  if (capsule == nullptr || !PyCapsule_IsValid(capsule, "dlpack_exchange_api")) return nullptr;
+// The exchange table a capsule holds when this package can call it (major version 1, a dltensor
+// exporter), else null.
+inline const dlpack_exchange_api* exchange_api_in(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, "dlpack_exchange_api")) return nullptr;
   const auto* api = static_cast<const dlpack_exchange_api*>(PyCapsule_GetPointer(capsule, "dlpack_exchange_api"));
   for (const auto* h = api ? &api->header : nullptr; h != nullptr; h = h->prev_api) {
     if (h->major == dlpack_exchange_major) {
@@ -56,6 +46,34 @@ inline const dlpack_exchange_api* exchange_api_of(PyTypeObject* type) {
     }
   }
   return nullptr;
+}
+
+// The exchange table of `type` when it has one this package can call, else null. The attribute
+// is looked up on the type as the specification says, through the interpreter's type attribute
+// cache, so a lookup costs nanoseconds; an attribute that is not such a capsule reads as absent
+// rather than as an error, and the array then goes through `__dlpack__` as any other. The last
+// capsule read is remembered (per thread), so that the seven or more arrays of one call skip the
+// capsule's two name comparisons: a capsule's name and pointer never change.
+inline const dlpack_exchange_api* exchange_api_of(PyTypeObject* type) {
+  static PyObject* const name = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* capsule = _PyType_LookupRef(type, name);  // a new reference
+  const nanobind::object owner = nanobind::steal(capsule);
+#else
+  PyObject* capsule = _PyType_Lookup(type, name);  // borrowed
+#endif
+  if (capsule == nullptr) return nullptr;
+  // The remembered capsule is held (a reference dropped only when another replaces it, never at
+  // thread exit, which may come after the interpreter's end), so its address cannot be reused.
+  thread_local PyObject* last_capsule = nullptr;
+  thread_local const dlpack_exchange_api* last_api = nullptr;
+  if (capsule == last_capsule) return last_api;
+  const dlpack_exchange_api* api = exchange_api_in(capsule);
+  Py_INCREF(capsule);
+  Py_XDECREF(last_capsule);
+  last_capsule = capsule;
+  last_api = api;
+  return api;
 }
 
 }  // namespace moerunner::python

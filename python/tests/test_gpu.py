@@ -185,7 +185,7 @@ def test_a_failed_cuda_call_is_reported_once():
 def test_call_reads_tensors_without_python_calls(monkeypatch):
     """A run on torch CUDA tensors, its stream left to torch, reads tensors and stream through
     DLPack's C exchange API: no __dlpack__ call, whose microseconds per tensor were most of the
-    binding's host cost. The cost itself is the bench's to hold (host_us_m0); printed here."""
+    binding's host cost. The cost itself is the bench's to hold (binding_us_m1); printed here."""
     if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
         pytest.skip("this torch has no DLPack C exchange API")
     x, ids, weights, w13, w2 = problem(1)

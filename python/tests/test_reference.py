@@ -122,3 +122,19 @@ def test_runner_handles():
     with pytest.raises(LookupError, match=f"no live moerunner.MoeRunner has handle {h}$"):
         runner_of_handle(h)
     assert runner_of_handle(a.handle) is a
+
+
+def test_time_library_runs_the_library_on_converted_arguments(rng):
+    """Runner.time_library (the bench's split of a call's host time): `iters` runs of the library
+    on arguments converted once, each writing the output as run does; the seconds they took."""
+    x, ids, w, w13, w2 = problem(rng)
+    r = runner()
+    want = r.run(x, ids, w, w13, w2)
+    out = np.full((M, H), np.nan, np.float32)
+    seconds = r._core.time_library(3, x, ids, w, w13, w2, out, None, None)
+    assert isinstance(seconds, float) and seconds > 0
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(moerunner.InvalidArgumentError, match="iters must be positive"):
+        r._core.time_library(0, x, ids, w, w13, w2, out, None, None)
+    with pytest.raises(moerunner.InvalidArgumentError, match="w13"):  # validated as run validates
+        r._core.time_library(1, x, ids, w, w13[:, :, :-1], w2, out, None, None)
