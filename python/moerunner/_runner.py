@@ -55,6 +55,12 @@ class MoeRunner:
         """Scratch bytes one run over num_tokens tokens needs (0 for host backends)."""
         return self._core.workspace_bytes(num_tokens)
 
+    def max_workspace_bytes(self, max_tokens):
+        """Scratch bytes that serve every run of at most max_tokens tokens: to size one buffer for
+        all batches up to the largest (a run's need is not monotone in the token count). Plans
+        every token count up to max_tokens: call it at setup, not per run."""
+        return self._core.max_workspace_bytes(max_tokens)
+
     def describe(self, num_tokens):
         """One line for a log: what a run over num_tokens tokens does (cuda_fused: its plan)."""
         return self._core.describe(num_tokens)

@@ -79,6 +79,7 @@ class runner {
   std::string backend() const { return std::string(impl_->backend()); }
   std::string tensor_space() const { return std::string(memory_space_name(impl_->tensor_space())); }
   std::size_t workspace_bytes(std::int64_t m) const { return impl_->workspace_bytes(m); }
+  std::size_t max_workspace_bytes(std::int64_t m) const { return impl_->max_workspace_bytes(m); }
   std::string describe(std::int64_t m) const { return impl_->describe(m); }
 
   // Arrays come as Python objects, converted by tensor_args (None: not given, where optional);
@@ -200,6 +201,7 @@ void bind_runner(nb::module_& m) {
       .def_prop_ro("tensor_space", &runner::tensor_space)
       .def_prop_ro("config", &runner::config)
       .def("workspace_bytes", &runner::workspace_bytes, nb::arg("num_tokens"))
+      .def("max_workspace_bytes", &runner::max_workspace_bytes, nb::arg("max_tokens"))
       .def("describe", &runner::describe, nb::arg("num_tokens"))
       // Every argument may be None (nanobind refuses None for a handle unless told): the run
       // names what is missing, as it names what is wrong.

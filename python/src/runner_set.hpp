@@ -23,6 +23,7 @@ class any_runner {
   virtual std::string_view backend() const = 0;
   virtual memory_space tensor_space() const = 0;
   virtual std::size_t workspace_bytes(std::int64_t num_tokens) const = 0;
+  virtual std::size_t max_workspace_bytes(std::int64_t max_tokens) const = 0;
   virtual std::string describe(std::int64_t num_tokens) const = 0;
   // `device` is the CUDA device of the tensors (-1 for host tensors): made current for the run.
   virtual void run(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
@@ -44,6 +45,7 @@ class runner_model final : public any_runner {
   std::string_view backend() const override { return runner_.runner_backend().name(); }
   memory_space tensor_space() const override { return runner_.tensor_space(); }
   std::size_t workspace_bytes(std::int64_t m) const override { return runner_.workspace_bytes(m); }
+  std::size_t max_workspace_bytes(std::int64_t m) const override { return runner_.max_workspace_bytes(m); }
   std::string describe(std::int64_t m) const override { return runner_.describe(m); }
   void run(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out, workspace_view ws,
            std::uintptr_t stream, int device) override {

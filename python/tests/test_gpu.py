@@ -105,6 +105,29 @@ def test_graph_capture_and_replay_deterministic():
         assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
 
 
+@pytest.mark.parametrize("backend", ["cuda_fused", "cuda_fused_fp8"])
+def test_one_workspace_for_every_batch(backend):
+    """A workspace of max_workspace_bytes(n) serves a deterministic run of every M up to n, though
+    a run's need is not monotone in M (decode's K splits keep f32 parts a larger batch does not)."""
+    n = 96
+    r = runner(backend, deterministic=True)
+    most = r.max_workspace_bytes(n)
+    needs = [r.workspace_bytes(m) for m in range(n + 1)]
+    assert most == max(needs)
+    workspace = torch.empty(most, dtype=torch.uint8, device="cuda")
+    for m in (1, 3, 17, 64, n):
+        x, ids, weights, w13, w2 = problem(m, seed=m)
+        scales = {}
+        if backend == "cuda_fused_fp8":
+            w13, scales["w13_scale"] = QUANTIZERS["block"](w13)
+            w2, scales["w2_scale"] = QUANTIZERS["block"](w2)
+        out = r.run(x, ids, weights, w13, w2, workspace=workspace, **scales)
+        want = r.run(x, ids, weights, w13, w2, **scales)  # its own workspace of workspace_bytes(m)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out.float()).all()
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
 def test_status_counts_bad_ids():
     x, ids, weights, w13, w2 = problem(8)
     ids[3, 1] = 1000

@@ -138,3 +138,12 @@ def test_time_library_runs_the_library_on_converted_arguments(rng):
         r._core.time_library(0, x, ids, w, w13, w2, out, None, None)
     with pytest.raises(moerunner.InvalidArgumentError, match="w13"):  # validated as run validates
         r._core.time_library(1, x, ids, w, w13[:, :, :-1], w2, out, None, None)
+
+
+def test_max_workspace_bytes():
+    """The workspace for every run up to max_tokens (the reference needs none); a negative count
+    is refused with the library's message."""
+    r = runner()
+    assert r.max_workspace_bytes(0) == 0 and r.max_workspace_bytes(4096) == 0
+    with pytest.raises(moerunner.InvalidArgumentError, match="max_tokens must not be negative"):
+        r.max_workspace_bytes(-1)

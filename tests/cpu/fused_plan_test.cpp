@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "moerunner/core/workspace_max.hpp"
 #include "moerunner/gpu/fp8_plan.hpp"
 #include "moerunner/gpu/fused_plan.hpp"
 
@@ -173,6 +174,26 @@ TEST_CASE("batch-invariant runs stay on the wgmma kernels at every M, with GEMM2
   CHECK(p.down == g::down_store::slots);
   CHECK_FALSE(p.combine_kernel);
   CHECK(p.clear_in_gemm1);
+}
+
+TEST_CASE("GEMM2 splits K only where its items come in at most two waves") {
+  // Mixtral-8x7B at 1024 tokens: up to 24 128-row tiles x 16 N tiles = 384 items, 2.9 waves on
+  // 132 SMs. Splitting 11 ways would shorten the last wave by 3% and multiply the output's
+  // reductions (deterministic: 369 MB of f32 parts) by 11: no split.
+  for (bool det : {false, true}) {
+    moe_config_params c = mixtral();
+    c.deterministic = det;
+    CAPTURE(det);
+    const g::fused_plan p = plan_of(c, 1024);
+    CHECK(p.family == g::gemm_family::wgmma);
+    CHECK(p.down_k_splits == 1);
+    CHECK(p.down == (det ? g::down_store::rows : g::down_store::accumulate));
+    check_layout(p, c);
+    CHECK(plan_of(c, 64).down_k_splits == 4);  // 160 items, 1.2 waves: split
+  }
+  CHECK(g::wgmma_down_k_splits(24, 4096, 14336, 132) == 1);
+  CHECK(g::wgmma_down_k_splits(10, 4096, 14336, 132) == 4);
+  CHECK(g::wgmma_down_k_splits(24, 4096, 14336, 132, 256, 64, 4) > 1);  // four waves allowed: the old rule
 }
 
 TEST_CASE("the device decides the family: no device, sm_80 code, sm_90 code without wgmma") {
@@ -384,4 +405,174 @@ TEST_CASE("fp8 plan: the split count follows the device's SMs (workspace sized p
   const g::fp8_plan whole = fp8_plan_of(det, 64), small = fp8_plan_of(det, 64, slice);
   CHECK(whole.down_k_splits != small.down_k_splits);
   CHECK(whole.workspace.total != small.workspace.total);
+}
+
+// ---- shapes no other case names: the plans' invariants over a grid of configs, token counts,
+// devices and modes (the rules are general: no shape of the benchmark is special to them)
+
+namespace {
+
+struct grid_shape {
+  int e, k, h, i;
+};
+
+// E from 8 to 384, k from 1 to 10, H from 2048 to 7168, I from 256 to 14336, some of them
+// not multiples of 128 (no fp8 plan there).
+constexpr grid_shape grid_shapes[] = {
+    {8, 1, 2048, 256},    {8, 2, 4096, 14336},  {16, 4, 2880, 2880},  {60, 4, 2048, 1408},
+    {64, 6, 5120, 1536},  {128, 8, 4096, 768},  {160, 6, 5120, 1536}, {256, 8, 7168, 2048},
+    {384, 8, 7168, 2048}, {384, 10, 3072, 512}, {32, 10, 2048, 8192}, {40, 3, 6144, 9216},
+};
+constexpr std::int64_t grid_tokens[] = {0, 1, 3, 8, 17, 64, 255, 1023, 4097, 16384};
+constexpr g::device_target grid_devices[] = {
+    h200, {.code_arch = 90, .has_wgmma = true, .sm_count = 16}, {.code_arch = 80, .has_wgmma = false, .sm_count = 108},
+    {}};
+
+enum class grid_mode { plain, deterministic, batch_invariant, no_combine, inplace };
+constexpr grid_mode grid_modes[] = {grid_mode::plain, grid_mode::deterministic, grid_mode::batch_invariant,
+                                    grid_mode::no_combine, grid_mode::inplace};
+
+// The case's line in a failure's report.
+std::string grid_label(const grid_shape& s, grid_mode mode, const g::device_target& dev) {
+  return "E=" + std::to_string(s.e) + " k=" + std::to_string(s.k) + " H=" + std::to_string(s.h) +
+         " I=" + std::to_string(s.i) + " mode " + std::to_string(static_cast<int>(mode)) + " on " +
+         std::to_string(dev.sm_count) + " SMs (code sm_" + std::to_string(dev.code_arch) + ")";
+}
+
+moe_config_params grid_config(const grid_shape& s, grid_mode mode) {
+  moe_config_params p{.num_experts = s.e, .hidden_size = s.h, .intermediate_size = s.i, .top_k = s.k};
+  p.deterministic = mode == grid_mode::deterministic;
+  p.batch_invariant = mode == grid_mode::batch_invariant;
+  p.no_combine = mode == grid_mode::no_combine;
+  p.inplace = mode == grid_mode::inplace;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("grid: every bf16 plan is laid out, sized within its bounds, batch-invariant where asked") {
+  for (const grid_shape& s : grid_shapes)
+    for (const grid_mode mode : grid_modes)
+      for (const g::device_target& dev : grid_devices) {
+        const moe_config_params c = grid_config(s, mode);
+        INFO(grid_label(s, mode, dev));
+        std::optional<g::fused_plan> first;  // the batch-invariant run's plan at the first M > 0
+        for (const std::int64_t m : grid_tokens) {
+          CAPTURE(m);
+          const g::fused_plan p = plan_of(c, m, dev);
+          check_layout(p, c);
+          CHECK(p.choice != g::gemm_tuning_choice::automatic);
+          CHECK(p.down_k_splits >= 1);
+          CHECK(p.cluster_m >= 1);
+          CHECK(p.schedule_block_m % p.cluster_m == 0);
+          CHECK(p.describe().find("cuda_fused M=" + std::to_string(m) + ": ") == 0);
+          // No device or no wgmma image: never a wgmma plan.
+          if (!dev.has_wgmma) CHECK(p.family != g::gemm_family::wgmma);
+          // A split keeps whole K tiles of GEMM2 and never exceeds them.
+          CHECK(p.down_k_splits <= std::max(1, s.i / 64));
+          if (p.down_k_splits > 1) {  // only where the items come in at most two waves
+            const std::int64_t slots_m = m * s.k;
+            const std::int64_t tiles = std::min(g::moe_m_tile_capacity(slots_m, s.e, p.schedule_block_m), slots_m);
+            const std::int64_t items = tiles * ((s.h + g::sm90_block_n(p.tile) - 1) / g::sm90_block_n(p.tile));
+            CHECK(items <= g::down_split_max_waves * (dev.sm_count / p.cluster_m));
+          }
+          // The decode workspace (no gathered copy, no rows for a combine kernel) holds act and
+          // O(E + slots) bytes of plan and schedule besides.
+          const auto slots = static_cast<std::size_t>(m) * static_cast<std::size_t>(s.k);
+          if (!p.gather_a && p.workspace.rows_bytes == 0)
+            CHECK(p.workspace.total <= slots * static_cast<std::size_t>(s.i) * 2 + 64 * slots +
+                                           64 * static_cast<std::size_t>(s.e) + 4096);
+          if (mode == grid_mode::batch_invariant && m > 0 && dev.has_wgmma) {
+            // One kernel family and K order at every M: wgmma tiles, no K split, rows summed
+            // per token in slot order.
+            CHECK(p.family == g::gemm_family::wgmma);
+            CHECK(p.down_k_splits == 1);
+            CHECK(p.down == g::down_store::rows);
+            CHECK(p.combine_kernel);
+            if (!first) first = p;
+            CHECK(p.choice == first->choice);
+          }
+        }
+      }
+}
+
+TEST_CASE("grid: every fp8 plan is laid out and keeps one K order where batch-invariant") {
+  for (const grid_shape& s : grid_shapes) {
+    if (s.h % 128 != 0 || s.i % 128 != 0) continue;  // the fp8 format's blocks
+    for (const grid_mode mode : grid_modes)
+      for (const g::device_target& dev : {grid_devices[0], grid_devices[1]}) {
+        const moe_config_params c = grid_config(s, mode);
+        INFO(grid_label(s, mode, dev));
+        for (const std::int64_t m : grid_tokens) {
+          CAPTURE(m);
+          const g::fp8_plan p = fp8_plan_of(c, m, dev);
+          check_fp8_layout(p, c);
+          CHECK(p.down_k_splits >= 1);
+          CHECK(p.down_k_splits <= std::max(1, s.i / 128 / 4));
+          CHECK(p.schedule_block_m == (p.stream ? 8 : 64 * p.cluster_m));
+          if (p.stream || m == 0) CHECK(p.down_k_splits == 1);
+          if (mode == grid_mode::batch_invariant) {
+            CHECK_FALSE(p.stream);
+            CHECK(p.cluster_m == 1);
+            CHECK(p.down_k_splits == 1);
+            if (m > 0) CHECK(p.down == g::down_store::rows);
+          }
+          if (mode == grid_mode::no_combine) CHECK(p.down == g::down_store::slots);
+        }
+      }
+  }
+}
+
+TEST_CASE("grid: a run's need falls with M only after decode's f32 pieces; the maximum over token counts serves every run") {
+  // A smaller run can need more than a larger one only where its plan keeps f32 pieces that a
+  // larger batch's plan does not: deterministic K-split parts (bf16 and fp8), or the fp8 stream
+  // GEMMs' f32 act. An engine sizing one buffer asks max_workspace_bytes (the same maximum).
+  for (const grid_shape& s : grid_shapes)
+    for (const grid_mode mode : grid_modes)
+      for (const g::device_target& dev : grid_devices) {
+        const moe_config_params c = grid_config(s, mode);
+        const MoeRunnerConfig cfg(c);
+        INFO(grid_label(s, mode, dev));
+        const bool fp8 = s.h % 128 == 0 && s.i % 128 == 0;
+        std::optional<g::fused_plan> bf16_before;
+        std::optional<g::fp8_plan> fp8_before;
+        std::size_t bf16_most = 0, fp8_most = 0;
+        for (std::int64_t m = 0; m <= 6000; m = m < 300 ? m + 1 : m + 1 + m / 9) {
+          CAPTURE(m);
+          const g::fused_plan p = plan_of(c, m, dev);
+          if (bf16_before && p.workspace.total < bf16_before->workspace.total)
+            CHECK(bf16_before->down == g::down_store::partials);
+          bf16_before = p;
+          bf16_most = std::max(bf16_most, p.workspace.total);
+          if (fp8) {
+            const g::fp8_plan q = fp8_plan_of(c, m, dev);
+            if (fp8_before && q.workspace.total < fp8_before->workspace.total)
+              CHECK((fp8_before->down == g::down_store::partials || fp8_before->stream));
+            fp8_before = q;
+            fp8_most = std::max(fp8_most, q.workspace.total);
+          }
+          if (m % 97 == 0) {  // the runner's maximum is the largest need up to m
+            const auto bf16_need = [&](std::int64_t t) { return plan_of(c, t, dev).workspace.total; };
+            CHECK(moerunner::detail::max_workspace_over_tokens(m, bf16_need, "test") >= bf16_most);
+          }
+        }
+      }
+  // Where it falls: deterministic decode (Mixtral-8x7B: 33 tokens' K-split parts outweigh 34
+  // tokens' rows) and fp8 decode (Qwen3-30B-A3B at one token streams with act in f32).
+  moe_config_params det = mixtral();
+  det.deterministic = true;
+  bool falls = false;
+  for (std::int64_t m = 1; m < 400 && !falls; ++m) falls = plan_of(det, m + 1).workspace.total < plan_of(det, m).workspace.total;
+  CHECK(falls);
+  CHECK(fp8_plan_of(qwen3(), 1).workspace.total > fp8_plan_of(qwen3(), 2).workspace.total);
+}
+
+TEST_CASE("the maximum over token counts: every count from 0 to max_tokens, a negative max_tokens refused") {
+  const auto need = [](std::int64_t m) -> std::size_t { return m == 3 ? 1000 : static_cast<std::size_t>(m); };
+  CHECK(moerunner::detail::max_workspace_over_tokens(0, need, "test") == 0);
+  CHECK(moerunner::detail::max_workspace_over_tokens(2, need, "test") == 2);
+  CHECK(moerunner::detail::max_workspace_over_tokens(3, need, "test") == 1000);
+  CHECK(moerunner::detail::max_workspace_over_tokens(1100, need, "test") == 1100);
+  CHECK_THROWS_WITH_AS(moerunner::detail::max_workspace_over_tokens(-1, need, "where"),
+                       "where: max_tokens must not be negative, got -1", moerunner::invalid_argument_error);
 }

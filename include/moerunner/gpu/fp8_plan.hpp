@@ -27,10 +27,6 @@ inline constexpr int fp8_block_m = 64, fp8_down_cols = 256, fp8_block_k = fp8_gr
 // weight tile shared) bounds the prefill cells (bench/NOTES.md, round 11).
 inline constexpr int fp8_large_block_m = 128;
 inline constexpr std::int64_t fp8_large_tile_min_rows = 64;
-// GEMM2 splits K only where its items come in at most two waves: 64-row tiles make many items
-// at mid sizes (Mixtral-8x7B at 512 tokens: 384, which four waves would split 11 ways, 11x the
-// output's reductions, for a 3% shorter last wave).
-inline constexpr std::int64_t fp8_split_max_waves = 2;
 
 // Workspace pieces as byte offsets from the 256-byte aligned start; total includes the slack.
 struct fp8_workspace {
@@ -121,7 +117,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   if (!p.stream && !cfg.no_combine() && !cfg.batch_invariant() && num_tokens > 0) {
     const std::int64_t tile_bound = std::min(moe_m_tile_capacity(slots, e, p.schedule_block_m), slots);
     p.down_k_splits = wgmma_down_k_splits(tile_bound, cfg.hidden_size(), cfg.intermediate_size(),
-                                          dev.sm_count / p.cluster_m, fp8_down_cols, fp8_block_k, fp8_split_max_waves);
+                                          dev.sm_count / p.cluster_m, fp8_down_cols, fp8_block_k);
   }
   p.down = store == down_store::rows && p.down_k_splits > 1 ? down_store::partials : store;
   p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;

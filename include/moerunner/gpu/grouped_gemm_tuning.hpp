@@ -373,6 +373,13 @@ inline std::size_t tile_schedule_bytes(std::int64_t rows, int num_experts, int b
                           sizeof(moe_m_tile));
 }
 
+// GEMM2 splits K only where its items come in at most two waves. Beyond, the shorter last wave
+// is worth a few percent at most, and a split multiplies the output's reductions (or, in
+// deterministic runs, writes and reads f32 parts) by its count: Mixtral-8x7B at 1024 tokens,
+// 384 items of 128-row tiles, would split 11 ways for a 3% shorter last wave, with 369 MB of
+// f32 parts in deterministic runs (the fp8 plan met the same at 512 tokens; bench/NOTES.md).
+inline constexpr std::int64_t down_split_max_waves = 2;
+
 // K splits for the wgmma GEMM2 (n = H columns in items of `cols`, k = I in K tiles of `bk`)
 // over a schedule of at most `tile_bound` M tiles. Where the (M tile, N tile) items come in few waves over the SMs
 // (decode: few active experts), a whole wave is idle in the worst case (224 items on 132 SMs
@@ -380,11 +387,11 @@ inline std::size_t tile_schedule_bytes(std::int64_t rows, int num_experts, int b
 // items * s work items, and the split count with the fewest item times, ceil(items * s /
 // SMs) / s, within 3% of the best is taken, the smallest such. A split keeps at least
 // min_k_tiles_per_split K tiles so that its pipeline fills; items beyond max_waves waves are
-// never split. Host arithmetic only: the
-// workspace query and the run agree on it.
+// never split. Host arithmetic only: the workspace query and the run agree on it.
 constexpr int wgmma_down_k_splits(std::int64_t tile_bound, int n, int k, int sm_count,
                                   int cols = sm90_wgmma_gemm_policy::tuning.block_n,
-                                  int bk = sm90_wgmma_gemm_policy::tuning.block_k, std::int64_t max_waves = 4) {
+                                  int bk = sm90_wgmma_gemm_policy::tuning.block_k,
+                                  std::int64_t max_waves = down_split_max_waves) {
   constexpr std::int64_t min_k_tiles_per_split = 4, max_splits = 16;
   const std::int64_t items = tile_bound * ((n + cols - 1) / cols);
   if (items <= 0 || sm_count <= 0 || items > max_waves * sm_count) return 1;

@@ -47,6 +47,7 @@ class FusedMoE {
   }
 
   std::size_t workspace_bytes(std::int64_t num_tokens) { return runner().workspace_bytes(num_tokens); }
+  std::size_t max_workspace_bytes(std::int64_t max_tokens) { return runner().max_workspace_bytes(max_tokens); }
 
   CombineInput forward(const DispatchOutput& d, const tensor_view& out, workspace_view ws, cuda::stream_ref stream) {
     Runner& r = runner();

@@ -23,6 +23,7 @@
 #include <cuda/stream_ref>
 
 #include "moerunner/core/concepts.hpp"
+#include "moerunner/core/workspace_max.hpp"
 #include "moerunner/lora/lora.hpp"
 #include "moerunner/registry/backend_registry.hpp"
 #include "moerunner/runner/validate.hpp"
@@ -55,6 +56,20 @@ class MoeRunner {
   // Scratch memory one run over `num_tokens` tokens needs; the caller owns it.
   std::size_t workspace_bytes(std::int64_t num_tokens) const {
     return visit([&](const auto& core) { return core.workspace_bytes(num_tokens); });
+  }
+
+  // Scratch memory that serves every run of at most max_tokens tokens: what a caller that sizes
+  // one buffer for its largest batch asks (a run's need is not monotone in the token count; see
+  // core/workspace_max.hpp). The policy's max_workspace_bytes where it has one, else the largest
+  // workspace_bytes(m) over m = 0..max_tokens. A setup-time query: one plan per token count.
+  std::size_t max_workspace_bytes(std::int64_t max_tokens) const {
+    return visit([&](const auto& core) -> std::size_t {
+      if constexpr (requires { { core.max_workspace_bytes(max_tokens) } -> std::same_as<std::size_t>; })
+        return core.max_workspace_bytes(max_tokens);
+      else
+        return detail::max_workspace_over_tokens(
+            max_tokens, [&](std::int64_t m) { return core.workspace_bytes(m); }, "MoeRunner::max_workspace_bytes");
+    });
   }
 
   // One line for a log saying what a run over num_tokens tokens does: the policy's

@@ -55,6 +55,7 @@
 #include "moerunner/core/config.hpp"
 #include "moerunner/core/error.hpp"
 #include "moerunner/core/types.hpp"
+#include "moerunner/core/workspace_max.hpp"
 #include "moerunner/gpu/combine.cuh"
 #include "moerunner/gpu/down_store.cuh"
 #include "moerunner/gpu/fp8_plan.hpp"
@@ -95,6 +96,15 @@ class cuda_fused_fp8_policy {
   std::size_t workspace_bytes(std::int64_t num_tokens) const { return plan(num_tokens).workspace.total; }
   std::size_t workspace_bytes(std::int64_t num_tokens, const gpu::device_target& dev) const {
     return plan(num_tokens, dev).workspace.total;
+  }
+  // The workspace every run of at most max_tokens tokens fits in: the need is not monotone in M
+  // (core/workspace_max.hpp). One plan per token count: a query for an engine's setup.
+  std::size_t max_workspace_bytes(std::int64_t max_tokens) const {
+    return max_workspace_bytes(max_tokens, gpu::current_device_target_or_none());
+  }
+  std::size_t max_workspace_bytes(std::int64_t max_tokens, const gpu::device_target& dev) const {
+    return detail::max_workspace_over_tokens(
+        max_tokens, [&](std::int64_t m) { return plan(m, dev).workspace.total; }, "cuda_fused_fp8_policy::max_workspace_bytes");
   }
 
   template <fp8_weight_format Q>
