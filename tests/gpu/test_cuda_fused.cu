@@ -13,6 +13,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -810,6 +811,15 @@ TEST_CASE("cuda_fused workspace: the atomic mode needs no [M*k, H] rows, decode 
     CHECK(fast_bytes <= act + (gathered ? rows : 0) + slots * 8 + (slots / 64 + 8) * 16 + 8 * 256 + 64 * 1024);
     CHECK(det_bytes >= fast_bytes + rows);
   }
+  // One buffer for every batch up to the largest: the largest need over the token counts (the
+  // deterministic decode's K-split parts outweigh larger batches' rows), and no more than runs take.
+  const mr::cuda_fused_policy det_runner(det);
+  std::size_t most = 0;
+  for (std::int64_t m = 0; m <= 300; ++m) most = std::max(most, det_runner.workspace_bytes(m));
+  CHECK(det_runner.max_workspace_bytes(300) == most);
+  CHECK(most >= det_runner.workspace_bytes(300));
+  CHECK_THROWS_AS(det_runner.max_workspace_bytes(std::int64_t{1} << 40), mr::invalid_argument_error);
+  CHECK_THROWS_AS(det_runner.max_workspace_bytes(-1), mr::invalid_argument_error);
 }
 
 namespace {

@@ -176,6 +176,9 @@ class cuda_fused_policy {
     return max_workspace_bytes(max_tokens, gpu::current_device_target_or_none());
   }
   std::size_t max_workspace_bytes(std::int64_t max_tokens, const gpu::device_target& dev) const {
+    // No run takes more (run_from_dispatch refuses it), and the scan is linear in max_tokens.
+    MOE_EXPECT(max_tokens <= 0x7fffffff / cfg_.top_k(), "cuda_fused_policy::max_workspace_bytes",
+               "max_tokens * top_k must fit in 32 bits, as a run's num_tokens * top_k");
     return detail::max_workspace_over_tokens(
         max_tokens, [&](std::int64_t m) { return plan(m, dev).workspace.total; }, "cuda_fused_policy::max_workspace_bytes");
   }
