@@ -162,6 +162,8 @@ measured run_cell(const shape& sh, int world, int rank, ncclComm_t comm, const c
                       {.top_k = sh.k, .renormalize = true}, th);
   MOE_CUDA_CHECK(cudaMemcpy(ids.p, ih.data(), ids.bytes, cudaMemcpyHostToDevice));
   MOE_CUDA_CHECK(cudaMemcpy(weights.p, wh.data(), weights.bytes, cudaMemcpyHostToDevice));
+  // The fills and copies ran on the legacy stream, which `s` (non-blocking) does not wait for.
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
   // The bytes the tokens need, and the bytes NCCL moves, to and from the other ranks.
   const mr::ep_send_layout sl = mr::make_ep_send_layout(ih.data(), m, sh.k, {world, rank, sh.e});
   std::int64_t remote_rows = 0;

@@ -30,7 +30,9 @@
 //     the parts (ncclReduceScatter, sum in the parts' dtype in NCCL's order: rank order and one
 //     rounding only for R <= 2). No host synchronization, graph capturable.
 //
-// dispatch and combine are collective: every rank calls them, in the same order. Between a
+// dispatch and combine are collective: every rank calls them, in the same order, with the same
+// ep_params (a mismatch hangs or garbles NCCL's transfers; it is not detected), and never inside
+// the caller's own ncclGroupStart/End (each call's transfers must complete in its group). Between a
 // dispatch and its combine the workspace holds the send lists; a second dispatch on the same
 // dispatcher before the combine overwrites them. Memory: the workspace (layout_for(...).bytes,
 // device memory of the communicator's GPU, owned by the caller); the dispatcher allocates none.
@@ -102,6 +104,14 @@ class ep_nccl_dispatcher {
                "the workspace must be device memory of the communicator's GPU");
     ws_ = static_cast<char*>(ws.data);
     host_counts_.assign(2 * static_cast<std::size_t>(size), 0);
+    // Rows no token fills (low_latency's slot tails, allgather's rows past a rank's M) travel
+    // and reach the runner routed nowhere: zeroed once here, so NCCL never sends uninitialized
+    // bytes. On the legacy stream, waited for: a dispatch on any stream comes after.
+    if (params_.mode == ep_mode::low_latency)
+      MOE_CUDA_CHECK(cudaMemset(ws_ + layout_.send_rows, 0, layout_.send_meta - layout_.send_rows));
+    if (params_.mode != ep_mode::throughput)
+      MOE_CUDA_CHECK(cudaMemset(ws_ + layout_.recv_rows, 0, layout_.recv_meta - layout_.recv_rows));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   }
 
   const ep_topology& topology() const { return topo_; }
@@ -135,6 +145,13 @@ class ep_nccl_dispatcher {
     }
     MOE_EXPECT(reinterpret_cast<std::uintptr_t>(status) % 4 == 0, where, "status must be 4-byte aligned");
     check_device(where);
+    if (status != nullptr && status != checked_status_) {  // asked once per pointer (legal while capturing)
+      cudaPointerAttributes attr{};
+      MOE_CUDA_CHECK(cudaPointerGetAttributes(&attr, status));
+      MOE_EXPECT(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged, where,
+                 "status must be device memory (the pack kernel counts into it)");
+      checked_status_ = status;
+    }
     const cudaStream_t stream = stream_ref.get();
     const auto* ids = topk.topk_ids.ptr<const std::int32_t>();
     const auto* weights = topk.topk_weights.ptr<const float>();
@@ -277,8 +294,9 @@ class ep_nccl_dispatcher {
     }
   }
 
-  gpu::ep_pack_args pack_args(const void* x, const std::int32_t* ids, const float* weights) const {
+  gpu::ep_pack_args pack_args(const void* x, const std::int32_t* ids, const float* weights, std::int64_t m) const {
     gpu::ep_pack_args a;
+    a.tokens = m;
     a.x = x;
     a.ids = ids;
     a.weights = weights;
@@ -325,7 +343,7 @@ class ep_nccl_dispatcher {
     send_off_ = make_ep_recv_layout(sent).offsets;  // the same prefix sums, over what this rank sends
     recv_off_ = make_ep_recv_layout(got).offsets;
     rows_ = recv_off_.back();
-    gpu::ep_pack_args a = pack_args(x, ids, weights);
+    gpu::ep_pack_args a = pack_args(x, ids, weights, m);
     a.rows_per_dest = m;
     gpu::ep_pack_rows(a, stream);
     const std::int64_t rb = layout_.row_bytes, mb = static_cast<std::int64_t>(layout_.meta_words()) * 4;
@@ -355,7 +373,7 @@ class ep_nccl_dispatcher {
     const int r = topo_.world_size, k = cfg_.top_k();
     const std::int64_t cap = layout_.slots;
     gpu::ep_send_positions(ids, m, k, topo_, send_pos(), send_token(), layout_.max_tokens, counts(), stream);
-    gpu::ep_pack_args a = pack_args(x, ids, weights);
+    gpu::ep_pack_args a = pack_args(x, ids, weights, m);
     a.fixed_stride = cap;
     a.rows_per_dest = cap;
     a.status = status;
@@ -411,6 +429,7 @@ class ep_nccl_dispatcher {
   char* ws_ = nullptr;
   std::vector<std::int64_t> host_counts_;  // throughput: [sent to each rank, received from each]
   std::vector<std::int64_t> send_off_, recv_off_;
+  const ep_status* checked_status_ = nullptr;  // the last status pointer found to be device memory
   std::int64_t tokens_ = 0;  // M of the last dispatch
   std::int64_t rows_ = 0;    // rows the local runner got in the last dispatch
   bool dispatched_ = false;

@@ -76,6 +76,7 @@ inline void ep_send_positions(const std::int32_t* ids, std::int64_t m, int k, co
 }
 
 struct ep_pack_args {
+  std::int64_t tokens = 0;  // m: with none, x, ids and weights may be null (an empty tensor's data)
   const void* x = nullptr;  // [m, H]
   const std::int32_t* ids = nullptr;
   const float* weights = nullptr;
@@ -100,8 +101,10 @@ inline void ep_pack_rows(const ep_pack_args& a, cudaStream_t stream) {
   MOE_EXPECT(a.fixed_stride == 0 || a.rows_per_dest == a.fixed_stride, where,
              "with a fixed stride every slot of it is an item");
   if (a.rows_per_dest == 0) return;
-  MOE_EXPECT(a.x && a.ids && a.weights && a.send_token && a.send_counts && a.send_rows && a.send_meta, where,
-             "a buffer is null");
+  MOE_EXPECT(a.tokens >= 0, where, "negative token count");
+  MOE_EXPECT((a.tokens == 0 || (a.x && a.ids && a.weights)) && a.send_token && a.send_counts && a.send_rows &&
+                 a.send_meta,
+             where, "a buffer is null");
   ep_launch::with_copy_unit(a.row_bytes, a.x, a.send_rows, [&]<class UNIT>() {
     const std::int64_t units = a.row_bytes / static_cast<std::int64_t>(sizeof(UNIT));
     const row_launch l = make_row_launch(a.world * a.rows_per_dest, units);
