@@ -231,8 +231,10 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
   p.down_tile = p.tile;
   if (p.choice == gemm_tuning_choice::sm90_wgmma && p.tile == sm90_tile::m64 && p.down_k_splits == 1 &&
       num_tokens > 0) {
-    const std::int64_t tile_bound = std::min(moe_m_tile_capacity(slots, cfg.num_local_experts(), p.schedule_block_m), slots);
-    const std::int64_t items = tile_bound * ((cfg.hidden_size() + sm90_block_n(p.tile) - 1) / sm90_block_n(p.tile));
+    const std::int64_t tile_bound =
+        std::min(moe_m_tile_capacity(slots, cfg.num_local_experts(), p.schedule_block_m), slots);
+    const int cols = sm90_block_n(p.tile);
+    const std::int64_t items = tile_bound * ((cfg.hidden_size() + cols - 1) / cols);
     if (2 * items <= dev.sm_count) p.down_tile = sm90_tile::m64n128;
   }
   p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;
