@@ -7,10 +7,11 @@ from . import _moerunner
 from ._arrays import empty, leading_dim, torch_of
 
 # Every runner's handle, given when it is built: the torch ops (moerunner.torch) take runners by
-# handle, and a handle given at the first op call would be given inside torch.compile's tracing,
-# which defers the registration past the fake implementation that looks the runner up. A string:
-# torch.compile keeps string arguments constant, where an int that differs between calls of one
-# function (a layer per runner) becomes a symbolic value that cannot be looked up.
+# handle, and a handle given at the first op call would be given inside torch.compile's tracing.
+# An int: one compiled function called with runner after runner (a layer each) takes it as a
+# symbolic value from the second runner on, instead of compiling again for every runner (as it
+# did for a string constant, failing past torch's recompile limit); the ops' fake
+# implementations never look a runner up.
 _next_handle = itertools.count()  # next() is atomic under the GIL
 _live = {}  # handle -> weak reference to its runner, dropped with the runner
 
@@ -48,7 +49,7 @@ class MoeRunner:
         self._out_dims = (c["top_k"], c["hidden_size"]) if c["no_combine"] else (c["hidden_size"],)
         self._inplace = c["inplace"]
         self._host = self.tensor_space == "host"
-        self.handle = f"moerunner-{next(_next_handle)}"  # unique in the process, never reused
+        self.handle = next(_next_handle)  # unique in the process, never reused
         _live[self.handle] = weakref.ref(self, lambda _, h=self.handle: _live.pop(h, None))
 
     def workspace_bytes(self, num_tokens):

@@ -114,7 +114,7 @@ def test_runner_handles():
 
     a = moerunner.MoeRunner("reference", num_experts=4, hidden_size=8, intermediate_size=4, top_k=2)
     b = moerunner.MoeRunner("reference", num_experts=4, hidden_size=8, intermediate_size=4, top_k=2)
-    assert isinstance(a.handle, str) and a.handle != b.handle
+    assert isinstance(a.handle, int) and a.handle != b.handle
     assert runner_of_handle(a.handle) is a and runner_of_handle(b.handle) is b
     h = b.handle
     del b
