@@ -116,10 +116,10 @@ class runner {
     d.hidden_scales = views.optional(a.hidden_scales, "hidden_scales");
     d.topk.topk_ids = views(a.topk_ids, "topk_ids");
     d.topk.topk_weights = views(a.topk_weights, "topk_weights");
-    const tensor_view out_view = views(a.out, "output");
+    const tensor_view out_view = views.written(a.out, "output");
     const workspace_view ws = views.bytes(a.workspace, space, "workspace");  // bytes: any dtype, uint8 as a rule
     if (!a.status.is_none()) {
-      const tensor_view s = views(a.status, "status");
+      const tensor_view s = views.written(a.status, "status");
       check::type(s, dtype::i32, where, "status");
       check::space(s, space, where, "status");
       check::contiguous(s, where, "status");

@@ -39,7 +39,7 @@ void topk(nb::handle logits, nb::handle topk_weights, nb::handle topk_ids, nb::h
   cfg.fused_shared_expert_weight = fused_shared_expert_weight;
 
   const tensor_view bias = views.optional(correction_bias, "correction_bias");
-  TopKOutput out{views(topk_weights, "topk_weights"), views(topk_ids, "topk_ids")};
+  TopKOutput out{views.written(topk_weights, "topk_weights"), views.written(topk_ids, "topk_ids")};
   const tensor_view* bias_ptr = correction_bias.is_none() ? nullptr : &bias;
   if (host_logits) {
     nb::gil_scoped_release unlocked;
