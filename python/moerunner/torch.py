@@ -57,7 +57,7 @@ def _run(runner_handle, no_combine, x, topk_ids, topk_weights, w13, w2, b13, b2,
         raise ValueError(f"moerunner::fused_moe: no_combine={no_combine} given for a runner built with "
                          f"no_combine={runner.config['no_combine']}")
     out = torch.empty(_out_shape(x, topk_ids, no_combine), dtype=_out_dtype(x), device=x.device)
-    nbytes = runner.workspace_bytes(x.shape[0])
+    nbytes = runner.workspace_bytes(x.shape[0], x.device)  # planned for the device the run makes current
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
     runner.run(x, topk_ids, topk_weights, w13, w2, out=out, workspace=workspace, stream=None, b13=b13, b2=b2,
                status=status, hidden_scales=hidden_scales, w13_scale=w13_scale, w2_scale=w2_scale)
