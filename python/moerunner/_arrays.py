@@ -40,6 +40,34 @@ def stream_handle(stream, like):
     )
 
 
+def device_index(device):
+    """The CUDA device ordinal a query plans for: -1 (the current device) for None or a device
+    without an index, the int itself, or a torch.device's index (cuda devices only)."""
+    if device is None:
+        return -1
+    if isinstance(device, int):
+        return device
+    if getattr(device, "type", "cuda") != "cuda":
+        return -1
+    index = getattr(device, "index", None)
+    return -1 if index is None else int(index)
+
+
+def keep_for_stream(tensors, stream, like):
+    """Tells torch's caching allocator that tensors it allocated for a call on its current stream
+    are used on `stream` (a call given a stream of its own): they are not handed out again
+    before that stream's work is done."""
+    torch = torch_of(like)
+    if torch is None or stream is None or not like.is_cuda:
+        return
+    handle = stream_handle(stream, like)
+    if handle == torch.cuda.current_stream(like.device).cuda_stream:
+        return
+    used_on = torch.cuda.ExternalStream(handle, device=like.device)
+    for t in tensors:
+        t.record_stream(used_on)
+
+
 def empty(like, shape, dtype, what):
     """An uninitialized array of `shape` where `like` lives, in its framework. dtype is
     "f32", "i32", "u8" or "output" (like's dtype; bf16 for an fp8 like)."""
@@ -54,6 +82,8 @@ def empty(like, shape, dtype, what):
     if isinstance(like, np.ndarray):
         t = like.dtype if dtype == "output" else {"f32": np.float32, "i32": np.int32, "u8": np.uint8}[dtype]
         return np.empty(shape, dtype=t)
+    if not hasattr(like, "shape") and not hasattr(like, "__dlpack__"):
+        return None  # not an array at all: the call names the argument for what it is
     raise TypeError(
         f"{what} was not given and moerunner allocates it only for numpy arrays and torch tensors, "
         f"not {type(like).__module__}.{type(like).__name__}: pass {what}="

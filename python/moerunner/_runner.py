@@ -4,13 +4,14 @@ import itertools
 import weakref
 
 from . import _moerunner
-from ._arrays import empty, leading_dim, torch_of
+from ._arrays import device_index, empty, keep_for_stream, leading_dim, torch_of
 
 # Every runner's handle, given when it is built: the torch ops (moerunner.torch) take runners by
-# handle, and a handle given at the first op call would be given inside torch.compile's tracing,
-# which defers the registration past the fake implementation that looks the runner up. A string:
-# torch.compile keeps string arguments constant, where an int that differs between calls of one
-# function (a layer per runner) becomes a symbolic value that cannot be looked up.
+# handle, and a handle given at the first op call would be given inside torch.compile's tracing.
+# An int: one compiled function called with runner after runner (a layer each) takes it as a
+# symbolic value from the second runner on, instead of compiling again for every runner (as it
+# did for a string constant, failing past torch's recompile limit); the ops' fake
+# implementations never look a runner up.
 _next_handle = itertools.count()  # next() is atomic under the GIL
 _live = {}  # handle -> weak reference to its runner, dropped with the runner
 
@@ -48,22 +49,26 @@ class MoeRunner:
         self._out_dims = (c["top_k"], c["hidden_size"]) if c["no_combine"] else (c["hidden_size"],)
         self._inplace = c["inplace"]
         self._host = self.tensor_space == "host"
-        self.handle = f"moerunner-{next(_next_handle)}"  # unique in the process, never reused
+        self.handle = next(_next_handle)  # unique in the process, never reused
         _live[self.handle] = weakref.ref(self, lambda _, h=self.handle: _live.pop(h, None))
 
-    def workspace_bytes(self, num_tokens):
-        """Scratch bytes one run over num_tokens tokens needs (0 for host backends)."""
-        return self._core.workspace_bytes(num_tokens)
+    def workspace_bytes(self, num_tokens, device=None):
+        """Scratch bytes one run over num_tokens tokens needs (0 for host backends) on `device`
+        (a CUDA ordinal or torch.device; None: the current device): the plan of a device backend
+        follows the device's SM count."""
+        return self._core.workspace_bytes(num_tokens, device_index(device))
 
-    def max_workspace_bytes(self, max_tokens):
+    def max_workspace_bytes(self, max_tokens, device=None):
         """Scratch bytes that serve every run of at most max_tokens tokens: to size one buffer for
         all batches up to the largest (a run's need is not monotone in the token count). Plans
-        every token count up to max_tokens: call it at setup, not per run."""
-        return self._core.max_workspace_bytes(max_tokens)
+        every token count up to max_tokens: call it at setup, not per run. device as for
+        workspace_bytes."""
+        return self._core.max_workspace_bytes(max_tokens, device_index(device))
 
-    def describe(self, num_tokens):
-        """One line for a log: what a run over num_tokens tokens does (cuda_fused: its plan)."""
-        return self._core.describe(num_tokens)
+    def describe(self, num_tokens, device=None):
+        """One line for a log: what a run over num_tokens tokens does (cuda_fused: its plan);
+        device as for workspace_bytes."""
+        return self._core.describe(num_tokens, device_index(device))
 
     def run(self, x, topk_ids, topk_weights, w13, w2, out=None, workspace=None, stream=None, b13=None, b2=None,
             status=None, hidden_scales=None, w13_scale=None, w2_scale=None):
@@ -86,17 +91,27 @@ class MoeRunner:
         Arrays whose type has DLPack's C exchange API (torch >= 2.11) are read through it,
         without a Python call; others through __dlpack__.
         status: an int32 [2] device array a cuda_fused run adds bad expert ids to
-        (bad_slots, first_bad_slot). Nothing synchronizes. Returns out.
+        (bad_slots, first_bad_slot). Nothing synchronizes, but cublas_grouped, which waits on the
+        host for its routing (the GIL released meanwhile). Returns out.
         """
+        allocated = []  # torch tensors made here for a run on another stream than torch's current one
         if out is None:
             out = x if self._inplace else empty(x, (leading_dim(x),) + self._out_dims, "output", "out")
+            if out is not x and out is not None:
+                allocated.append(out)
         if workspace is None and not self._host:
-            nbytes = self._core.workspace_bytes(leading_dim(x))
-            if nbytes and torch_of(x) is not None:
-                workspace = empty(x, (nbytes,), "u8", "workspace")
+            torch = torch_of(x)
+            if torch is not None:
+                # Sized for the device of x, which the run makes current.
+                nbytes = self._core.workspace_bytes(leading_dim(x), device_index(x.device))
+                if nbytes:
+                    workspace = empty(x, (nbytes,), "u8", "workspace")
+                    allocated.append(workspace)
         # Arrays and the stream are read in the extension (stream_handle resolves what it cannot).
         self._core.run(x, topk_ids, topk_weights, w13, w2, out, workspace, stream, b13, b2, status, hidden_scales,
                        w13_scale, w2_scale)
+        if allocated and stream is not None:
+            keep_for_stream(allocated, stream, x)
         return out
 
     def __repr__(self):

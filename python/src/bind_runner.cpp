@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -78,9 +79,9 @@ class runner {
 
   std::string backend() const { return std::string(impl_->backend()); }
   std::string tensor_space() const { return std::string(memory_space_name(impl_->tensor_space())); }
-  std::size_t workspace_bytes(std::int64_t m) const { return impl_->workspace_bytes(m); }
-  std::size_t max_workspace_bytes(std::int64_t m) const { return impl_->max_workspace_bytes(m); }
-  std::string describe(std::int64_t m) const { return impl_->describe(m); }
+  std::size_t workspace_bytes(std::int64_t m, int device) const { return impl_->workspace_bytes(m, device); }
+  std::size_t max_workspace_bytes(std::int64_t m, int device) const { return impl_->max_workspace_bytes(m, device); }
+  std::string describe(std::int64_t m, int device) const { return impl_->describe(m, device); }
 
   // Arrays come as Python objects, converted by tensor_args (None: not given, where optional);
   // stream as an int, None or a stream object (see tensor_args::stream).
@@ -116,10 +117,10 @@ class runner {
     d.hidden_scales = views.optional(a.hidden_scales, "hidden_scales");
     d.topk.topk_ids = views(a.topk_ids, "topk_ids");
     d.topk.topk_weights = views(a.topk_weights, "topk_weights");
-    const tensor_view out_view = views(a.out, "output");
+    const tensor_view out_view = views.written(a.out, "output");
     const workspace_view ws = views.bytes(a.workspace, space, "workspace");  // bytes: any dtype, uint8 as a rule
     if (!a.status.is_none()) {
-      const tensor_view s = views(a.status, "status");
+      const tensor_view s = views.written(a.status, "status");
       check::type(s, dtype::i32, where, "status");
       check::space(s, space, where, "status");
       check::contiguous(s, where, "status");
@@ -156,13 +157,17 @@ class runner {
     }
   }
 
-  // Host runs release the GIL (the reference backend computes in the call); device runs only
-  // enqueue work, where releasing it would cost more than it frees.
+  // Runs that wait on the host (the reference computing in the call, cublas_grouped waiting for
+  // its routing) release the GIL, and then hold the runner's mutex instead: another Python
+  // thread may call the same runner meanwhile, and a policy's scratch state is its own. Runs that
+  // only enqueue work keep the GIL (releasing it would cost more than it frees), which also
+  // keeps them one at a time.
   template <class QI>
   void call(const DispatchOutput& d, const QI& q, const tensor_view& out, workspace_view ws, std::uintptr_t stream,
             int device) {
-    if (impl_->tensor_space() == memory_space::host) {
+    if (waits_on_host_) {
       nb::gil_scoped_release unlocked;
+      const std::lock_guard<std::mutex> one_at_a_time(run_mutex_);
       impl_->run(d, q, out, ws, stream, device);
     } else {
       impl_->run(d, q, out, ws, stream, device);
@@ -170,6 +175,8 @@ class runner {
   }
 
   std::unique_ptr<any_runner> impl_;
+  bool waits_on_host_ = impl_->waits_on_host();
+  std::mutex run_mutex_;
 };
 
 }  // namespace
@@ -200,9 +207,10 @@ void bind_runner(nb::module_& m) {
       .def_prop_ro("backend", &runner::backend)
       .def_prop_ro("tensor_space", &runner::tensor_space)
       .def_prop_ro("config", &runner::config)
-      .def("workspace_bytes", &runner::workspace_bytes, nb::arg("num_tokens"))
-      .def("max_workspace_bytes", &runner::max_workspace_bytes, nb::arg("max_tokens"))
-      .def("describe", &runner::describe, nb::arg("num_tokens"))
+      // device: a CUDA device ordinal to plan for (the current device when -1).
+      .def("workspace_bytes", &runner::workspace_bytes, nb::arg("num_tokens"), nb::arg("device") = -1)
+      .def("max_workspace_bytes", &runner::max_workspace_bytes, nb::arg("max_tokens"), nb::arg("device") = -1)
+      .def("describe", &runner::describe, nb::arg("num_tokens"), nb::arg("device") = -1)
       // Every argument may be None (nanobind refuses None for a handle unless told): the run
       // names what is missing, as it names what is wrong.
       .def(

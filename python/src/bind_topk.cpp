@@ -39,13 +39,15 @@ void topk(nb::handle logits, nb::handle topk_weights, nb::handle topk_ids, nb::h
   cfg.fused_shared_expert_weight = fused_shared_expert_weight;
 
   const tensor_view bias = views.optional(correction_bias, "correction_bias");
-  TopKOutput out{views(topk_weights, "topk_weights"), views(topk_ids, "topk_ids")};
+  TopKOutput out{views.written(topk_weights, "topk_weights"), views.written(topk_ids, "topk_ids")};
   const tensor_view* bias_ptr = correction_bias.is_none() ? nullptr : &bias;
+  // Read (and a bad value refused, as run refuses it) on the host too, where nothing uses it.
+  const std::uintptr_t on_stream = views.stream(stream, logits);
   if (host_logits) {
     nb::gil_scoped_release unlocked;
     reference::topk(logits_view, bias_ptr, cfg, out);
   } else {
-    device_topk(logits_view, bias_ptr, cfg, out, views.stream(stream, logits), views.device());
+    device_topk(logits_view, bias_ptr, cfg, out, on_stream, views.device());
   }
 }
 

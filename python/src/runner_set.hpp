@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <cuda/stream_ref>
@@ -22,9 +23,14 @@ class any_runner {
   virtual const MoeRunnerConfig& config() const = 0;
   virtual std::string_view backend() const = 0;
   virtual memory_space tensor_space() const = 0;
-  virtual std::size_t workspace_bytes(std::int64_t num_tokens) const = 0;
-  virtual std::size_t max_workspace_bytes(std::int64_t max_tokens) const = 0;
-  virtual std::string describe(std::int64_t num_tokens) const = 0;
+  // Whether a run waits on the host (a host backend computing in the call, or a device backend
+  // that synchronizes, as cublas_grouped does): the binding then releases the GIL around it.
+  virtual bool waits_on_host() const = 0;
+  // The queries of a device backend plan for the current device, or for CUDA device `device`
+  // (>= 0), made current for the query: the device a run's tensors are on.
+  virtual std::size_t workspace_bytes(std::int64_t num_tokens, int device) const = 0;
+  virtual std::size_t max_workspace_bytes(std::int64_t max_tokens, int device) const = 0;
+  virtual std::string describe(std::int64_t num_tokens, int device) const = 0;
   // `device` is the CUDA device of the tensors (-1 for host tensors): made current for the run.
   virtual void run(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
                    workspace_view ws, std::uintptr_t stream, int device) = 0;
@@ -44,9 +50,26 @@ class runner_model final : public any_runner {
   const MoeRunnerConfig& config() const override { return runner_.config(); }
   std::string_view backend() const override { return runner_.runner_backend().name(); }
   memory_space tensor_space() const override { return runner_.tensor_space(); }
-  std::size_t workspace_bytes(std::int64_t m) const override { return runner_.workspace_bytes(m); }
-  std::size_t max_workspace_bytes(std::int64_t m) const override { return runner_.max_workspace_bytes(m); }
-  std::string describe(std::int64_t m) const override { return runner_.describe(m); }
+  bool waits_on_host() const override {
+    return runner_.visit([](const auto& core) {
+      using P = std::decay_t<decltype(core)>;
+      if constexpr (P::tensor_space == memory_space::host) return true;
+      else if constexpr (requires { P::graph_capturable; }) return !P::graph_capturable;
+      else return true;  // not known to only enqueue work
+    });
+  }
+  std::size_t workspace_bytes(std::int64_t m, int device) const override {
+    const Guard guard(on_device(device));
+    return runner_.workspace_bytes(m);
+  }
+  std::size_t max_workspace_bytes(std::int64_t m, int device) const override {
+    const Guard guard(on_device(device));
+    return runner_.max_workspace_bytes(m);
+  }
+  std::string describe(std::int64_t m, int device) const override {
+    const Guard guard(on_device(device));
+    return runner_.describe(m);
+  }
   void run(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out, workspace_view ws,
            std::uintptr_t stream, int device) override {
     run_any(d, q, out, ws, stream, device);
@@ -68,10 +91,13 @@ class runner_model final : public any_runner {
   template <class QI>
   void run_any(const DispatchOutput& d, const QI& q, const tensor_view& out, workspace_view ws, std::uintptr_t stream,
                int device) {
-    // A host backend touches no device: device arrays are its validation's to refuse.
-    const Guard guard(runner_.tensor_space() == memory_space::device ? device : -1);
+    const Guard guard(on_device(device));
     runner_.run(d, q, out, ws, cuda::stream_ref(reinterpret_cast<cudaStream_t>(stream)));
   }
+
+  // The device a guard makes current: none for a host backend, which touches no device (device
+  // arrays are its validation's to refuse).
+  int on_device(int device) const { return runner_.tensor_space() == memory_space::device ? device : -1; }
 
   Runner runner_;
 };

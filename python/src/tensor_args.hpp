@@ -64,6 +64,9 @@ class tensor_args {
   // An array argument; None is refused as any other non-array.
   tensor_view operator()(nb::handle a, const char* what) { return view(import(a, what), what); }
 
+  // An array argument the call writes (an output): as operator(), and refused when read-only.
+  tensor_view written(nb::handle a, const char* what) { return view(import(a, what, true), what); }
+
   // An optional array argument: None is an empty view, which the library reads as "not given".
   tensor_view optional(nb::handle a, const char* what) { return a.is_none() ? tensor_view{} : (*this)(a, what); }
 
@@ -73,7 +76,7 @@ class tensor_args {
   // workspace.
   workspace_view bytes(nb::handle a, memory_space expected, const char* what) {
     if (a.is_none()) return {};
-    const dl_array d = import(a, what);
+    const dl_array d = import(a, what, true);
     const std::size_t bits = static_cast<std::size_t>(d.type.bits) * d.type.lanes;
     MOE_EXPECT(bits % 8 == 0, where_, std::string(what) + " has dtype " + dlpack_dtype_name(d.type) + ", not whole bytes");
     const tensor_view v = view_as(d, dtype::f8_e4m3, what);
@@ -84,7 +87,9 @@ class tensor_args {
 
   // The two steps of operator(), for a caller whose messages depend on where an array lives:
   // the array as DLPack describes it, then its view (messages from here on name `where`).
-  dl_array import(nb::handle a, const char* what);  // defined below the class
+  // Arrays are taken read-only (memory-mapped or frozen numpy arrays are inputs like any
+  // other); `writes` refuses a read-only one.
+  dl_array import(nb::handle a, const char* what, bool writes = false);  // defined below the class
   tensor_view view(const dl_array& a, const char* what) { return view_as(a, dtype_of(a.type, what), what); }
   void set_where(const char* where) { where_ = where; }
 
@@ -196,10 +201,10 @@ class tensor_args {
   const char* where_;
   int device_ = -1;
   const dlpack_exchange_api* stream_api_ = nullptr;
-  std::vector<nb::ndarray<>> held_;  // arrays nanobind imported, released when the call returns
+  std::vector<nb::ndarray<nb::ro>> held_;  // arrays nanobind imported, released when the call returns
 };
 
-inline dl_array tensor_args::import(nb::handle a, const char* what) {
+inline dl_array tensor_args::import(nb::handle a, const char* what, bool writes) {
   dl_array d;
   if (const dlpack_exchange_api* api = exchange_api_of(Py_TYPE(a.ptr()))) {
     nb::dlpack::dltensor t;
@@ -209,10 +214,14 @@ inline dl_array tensor_args::import(nb::handle a, const char* what) {
     note_device(d, what, api);
     return d;
   }
-  nb::ndarray<> arr;
+  nb::ndarray<nb::ro> arr;
   if (!nb::try_cast(a, arr))
     throw nb::type_error((std::string(where_) + ": " + what + " must be an array (DLPack or the buffer protocol), got " +
                           nb::inst_name(a).c_str()).c_str());
+  if (writes) {
+    nb::ndarray<> writable;
+    MOE_EXPECT(nb::try_cast(a, writable), where_, std::string(what) + " is read-only, and the call writes it");
+  }
   d = {arr.dtype(), arr.device_type(), arr.device_id(), static_cast<int>(arr.ndim()), arr.shape_ptr(),
        arr.stride_ptr(), const_cast<void*>(arr.data())};
   held_.push_back(std::move(arr));

@@ -128,6 +128,24 @@ def test_one_workspace_for_every_batch(backend):
         assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
+def test_a_run_on_a_stream_of_its_own():
+    """out and workspace left to the call, the run on a stream that is not torch's current one:
+    torch's allocator is told they are used there (record_stream), so allocations on the current
+    stream meanwhile do not take them; the bits are the current-stream run's (deterministic)."""
+    x, ids, weights, w13, w2 = problem(64)
+    r = runner("cuda_fused", deterministic=True)
+    assert r.workspace_bytes(64, device=x.device) == r.workspace_bytes(64)  # x is on the current device
+    want = r.run(x, ids, weights, w13, w2)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    out = r.run(x, ids, weights, w13, w2, stream=s)
+    scribbles = [torch.full((r.workspace_bytes(64) + 1024,), 255, dtype=torch.uint8, device="cuda") for _ in range(8)]
+    s.synchronize()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    del scribbles
+
+
 def test_status_counts_bad_ids():
     x, ids, weights, w13, w2 = problem(8)
     ids[3, 1] = 1000

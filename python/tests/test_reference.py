@@ -87,6 +87,9 @@ def test_config_describe_and_workspace():
     assert r.config["deterministic"] and r.config["num_local_experts"] == E  # as MoeRunnerConfig fills them in
     assert r.workspace_bytes(1024) == 0
     assert r.describe(5) == "reference M=5"
+    # A device to plan for: nothing to make current for a host backend.
+    assert r.workspace_bytes(1024, device=0) == 0 and r.max_workspace_bytes(8, device=3) == 0
+    assert r.describe(5, device=1) == "reference M=5"
 
 
 def test_streams_are_parsed_and_ignored_on_the_host(rng):
@@ -103,6 +106,47 @@ def test_streams_are_parsed_and_ignored_on_the_host(rng):
         np.testing.assert_array_equal(runner().run(x, ids, w, w13, w2, stream=stream), want)
     with pytest.raises(TypeError, match="stream must be"):
         runner().run(x, ids, w, w13, w2, stream="default")
+    # topk reads its stream as run does, on the host too.
+    logits = rng.standard_normal((M, E)).astype(np.float32)
+    np.testing.assert_array_equal(moerunner.topk(logits, top_k=K, stream=Protocol())[1],
+                                  moerunner.topk(logits, top_k=K)[1])
+    with pytest.raises(TypeError, match="stream must be"):
+        moerunner.topk(logits, top_k=K, stream="default")
+
+
+def test_not_an_array_is_named_for_what_it_is(rng):
+    """x that is no array at all, with out left to the call: the call names hidden_states, not out."""
+    _, ids, w, w13, w2 = problem(rng)
+    with pytest.raises(TypeError, match="hidden_states must be an array .*got NoneType"):
+        runner().run(None, ids, w, w13, w2)
+    with pytest.raises(TypeError, match="hidden_states must be an array .*got list"):
+        runner().run([[1.0] * H] * M, ids, w, w13, w2)
+
+
+def test_one_runner_from_several_threads(rng):
+    """A host run releases the GIL: runs of one runner from several threads each get their own
+    answer (the binding lets one at a time into a runner whose runs release the GIL, as
+    cublas_grouped's, whose state is the runner's; the reference keeps its scratch per call)."""
+    import threading
+
+    r = runner()
+    problems = [problem(np.random.default_rng(seed)) for seed in range(4)]
+    want = [runner().run(*p) for p in problems]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(20):
+                np.testing.assert_array_equal(r.run(*problems[i]), want[i])
+        except Exception as exc:  # reported on the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
 
 
 def test_runner_handles():
@@ -114,7 +158,7 @@ def test_runner_handles():
 
     a = moerunner.MoeRunner("reference", num_experts=4, hidden_size=8, intermediate_size=4, top_k=2)
     b = moerunner.MoeRunner("reference", num_experts=4, hidden_size=8, intermediate_size=4, top_k=2)
-    assert isinstance(a.handle, str) and a.handle != b.handle
+    assert isinstance(a.handle, int) and a.handle != b.handle
     assert runner_of_handle(a.handle) is a and runner_of_handle(b.handle) is b
     h = b.handle
     del b

@@ -35,7 +35,7 @@ def test_opcheck():
     x = torch.randn(M, H)
     runner = moerunner.MoeRunner("reference", num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
     topk_weights, ids = mt.topk(x @ router.T, top_k=K)
-    args = (mt.handle(runner), x, ids, topk_weights, w13, w2, None, None, None, None, None)
+    args = (mt.handle(runner), False, x, ids, topk_weights, w13, w2, None, None, None, None, None)
     torch.library.opcheck(torch.ops.moerunner.fused_moe.default, args)
     status = torch.zeros(2, dtype=torch.int32)  # declared mutated: opcheck runs it through functionalization
     torch.library.opcheck(torch.ops.moerunner.fused_moe_status.default, args + (status,))
@@ -76,10 +76,11 @@ def test_compile_fullgraph_on_cpu(backend):
     torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
 
 
-def test_compile_one_function_over_several_runners():
+def test_compile_one_function_over_many_runners():
     """One compiled function called with runner after runner (as a model's layers share their
-    code, a runner each): every call's handle stays a constant of its graph (an int handle became
-    symbolic at the second runner, and the fake implementation could not look it up)."""
+    code, a runner each), past torch's recompile limit (8): the handle, an int, turns symbolic at
+    the second runner, and the fake implementations never look a runner up (a string handle was
+    a constant of each graph, compiled again for every runner until the limit failed the call)."""
     router, w13, w2 = weights()
     x = torch.randn(M, H)
 
@@ -87,10 +88,45 @@ def test_compile_one_function_over_several_runners():
         topk_weights, ids = mt.topk(x @ router.T, top_k=K)
         return mt.fused_moe(runner, x, ids, topk_weights, w13, w2)
 
+    torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True)
-    for _ in range(3):
-        runner = moerunner.MoeRunner("reference", num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
+    runners = [moerunner.MoeRunner("reference", num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
+               for _ in range(12)]
+    for runner in runners:
         torch.testing.assert_close(compiled(runner, x), layer(runner, x), rtol=0, atol=0)
+
+
+def test_compile_a_model_of_many_layers():
+    """A model of 10 MoE layers compiled whole, as engines compile: one graph over every layer's
+    runner."""
+    router, w13, w2 = weights()
+    layers = [MoeModule(moerunner.MoeRunner("reference", num_experts=E, hidden_size=H, intermediate_size=I,
+                                            top_k=K), router, w13, w2, K) for _ in range(10)]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(M, H)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
+def test_no_combine_through_the_op():
+    """no_combine: [M, k, H] out of the op, eagerly and compiled (the fake implementation reads the
+    flag the op is given); a flag that does not match the runner's is refused."""
+    router, w13, w2 = weights()
+    x = torch.randn(M, H)
+    runner = moerunner.MoeRunner("reference", num_experts=E, hidden_size=H, intermediate_size=I, top_k=K,
+                                 no_combine=True)
+    topk_weights, ids = mt.topk(x @ router.T, top_k=K)
+    out = mt.fused_moe(runner, x, ids, topk_weights, w13, w2)
+    assert out.shape == (M, K, H)
+    torch.testing.assert_close(out, runner.run(x, ids, topk_weights, w13, w2), rtol=0, atol=0)
+    compiled = torch.compile(lambda x: mt.fused_moe(runner, x, ids, topk_weights, w13, w2), fullgraph=True)
+    torch.testing.assert_close(compiled(x), out, rtol=0, atol=0)
+    args = (mt.handle(runner), True, x, ids, topk_weights, w13, w2, None, None, None, None, None)
+    torch.library.opcheck(torch.ops.moerunner.fused_moe.default, args)
+    with pytest.raises(ValueError, match="no_combine=False given for a runner built with no_combine=True"):
+        torch.ops.moerunner.fused_moe(mt.handle(runner), False, x, ids, topk_weights, w13, w2, None, None, None,
+                                      None, None)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

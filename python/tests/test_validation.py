@@ -138,6 +138,39 @@ def test_workspace_is_bytes_of_any_dtype(workspace):
     np.testing.assert_array_equal(out, expected)
 
 
+def frozen(a):
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+def test_read_only_inputs_are_taken(tmp_path):
+    """Inputs the call only reads may be read-only (memory-mapped weights, frozen arrays)."""
+    a = args()
+    want = moerunner.MoeRunner("reference", **BASE).run(**a)
+    np.save(tmp_path / "w13.npy", a["w13"])
+    ro = {k: frozen(v) for k, v in a.items()}
+    ro["w13"] = np.load(tmp_path / "w13.npy", mmap_mode="r")
+    np.testing.assert_array_equal(moerunner.MoeRunner("reference", **BASE).run(**ro), want)
+
+
+@pytest.mark.parametrize("what, name", [("out", "output"), ("workspace", "workspace")])
+def test_read_only_outputs_are_refused(what, name):
+    a = args()
+    arg = frozen(np.zeros((M, H), np.float32) if what == "out" else np.zeros(64, np.uint8))
+    with pytest.raises(moerunner.InvalidArgumentError,
+                       match=re.escape(f"MoeRunner::run: {name} is read-only, and the call writes it") + "$"):
+        moerunner.MoeRunner("reference", **BASE).run(**a, **{what: arg})
+
+
+def test_a_broadcast_input_is_named_for_its_layout():
+    a = args()
+    a["x"] = np.broadcast_to(a["x"][:1], (M, H))
+    with pytest.raises(moerunner.InvalidArgumentError,
+                       match=re.escape("MoeRunner::run: hidden_states must be contiguous (row-major)") + "$"):
+        moerunner.MoeRunner("reference", **BASE).run(**a)
+
+
 def test_output_overlapping_the_input():
     a = args()
     with pytest.raises(ValueError, match=re.escape(
@@ -171,6 +204,8 @@ def test_output_of_an_unknown_framework_must_be_given():
     (dict(router_logits=np.zeros((2, 32), np.int32)),
      "reference::topk: router_logits must be f32, f16 or bf16, got i32"),
     (dict(topk_ids=np.zeros((2, 4), np.float32)), "reference::topk: topk_ids must be i32, got f32"),
+    (dict(topk_weights=frozen(np.zeros((2, 4), np.float32))),
+     "reference::topk: topk_weights is read-only, and the call writes it"),
 ])
 def test_topk(change, message):
     kw = {"router_logits": np.zeros((2, 32), np.float32), "top_k": 4, **change}
