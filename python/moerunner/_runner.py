@@ -94,19 +94,17 @@ class MoeRunner:
         (bad_slots, first_bad_slot). Nothing synchronizes, but cublas_grouped, which waits on the
         host for its routing (the GIL released meanwhile). Returns out.
         """
-        allocated = []  # torch tensors made here for a run on another stream than torch's current one
+        allocated = []  # arrays made here: recorded on the call's own stream if it names one (torch)
         if out is None:
             out = x if self._inplace else empty(x, (leading_dim(x),) + self._out_dims, "output", "out")
             if out is not x and out is not None:
                 allocated.append(out)
-        if workspace is None and not self._host:
-            torch = torch_of(x)
-            if torch is not None:
-                # Sized for the device of x, which the run makes current.
-                nbytes = self._core.workspace_bytes(leading_dim(x), device_index(x.device))
-                if nbytes:
-                    workspace = empty(x, (nbytes,), "u8", "workspace")
-                    allocated.append(workspace)
+        if workspace is None and not self._host and torch_of(x) is not None:
+            # Sized for the device of x, which the run makes current.
+            nbytes = self._core.workspace_bytes(leading_dim(x), device_index(x.device))
+            if nbytes:
+                workspace = empty(x, (nbytes,), "u8", "workspace")
+                allocated.append(workspace)
         # Arrays and the stream are read in the extension (stream_handle resolves what it cannot).
         self._core.run(x, topk_ids, topk_weights, w13, w2, out, workspace, stream, b13, b2, status, hidden_scales,
                        w13_scale, w2_scale)

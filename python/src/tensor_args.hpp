@@ -214,13 +214,16 @@ inline dl_array tensor_args::import(nb::handle a, const char* what, bool writes)
     note_device(d, what, api);
     return d;
   }
+  // One import on either success path: a written array as writable, any other as read-only; the
+  // read-only import of a written array only tells a read-only array from a non-array.
   nb::ndarray<nb::ro> arr;
-  if (!nb::try_cast(a, arr))
+  if (nb::ndarray<> writable; writes && nb::try_cast(a, writable)) {
+    arr = nb::ndarray<nb::ro>(writable);
+  } else if (!nb::try_cast(a, arr)) {
     throw nb::type_error((std::string(where_) + ": " + what + " must be an array (DLPack or the buffer protocol), got " +
                           nb::inst_name(a).c_str()).c_str());
-  if (writes) {
-    nb::ndarray<> writable;
-    MOE_EXPECT(nb::try_cast(a, writable), where_, std::string(what) + " is read-only, and the call writes it");
+  } else {
+    MOE_EXPECT(!writes, where_, std::string(what) + " is read-only, and the call writes it");
   }
   d = {arr.dtype(), arr.device_type(), arr.device_id(), static_cast<int>(arr.ndim()), arr.shape_ptr(),
        arr.stride_ptr(), const_cast<void*>(arr.data())};

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "moerunner/core/workspace_max.hpp"
@@ -479,123 +480,131 @@ moe_config_params grid_config(const grid_shape& s, grid_mode mode) {
   return p;
 }
 
+// Calls f(shape, mode, device, config) for every shape and mode of the grid on each of
+// `devices`, the case named in a failure's report. The fp8 plans take H and I in 128 blocks only.
+template <class F>
+void for_each_grid_case(std::span<const g::device_target> devices, bool fp8_shapes_only, F&& f) {
+  for (const grid_shape& s : grid_shapes) {
+    if (fp8_shapes_only && (s.h % 128 != 0 || s.i % 128 != 0)) continue;
+    for (const grid_mode mode : grid_modes)
+      for (const g::device_target& dev : devices) {
+        INFO(grid_label(s, mode, dev));
+        f(s, mode, dev, grid_config(s, mode));
+      }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("grid: every bf16 plan is laid out, sized within its bounds, batch-invariant where asked") {
-  for (const grid_shape& s : grid_shapes)
-    for (const grid_mode mode : grid_modes)
-      for (const g::device_target& dev : grid_devices) {
-        const moe_config_params c = grid_config(s, mode);
-        INFO(grid_label(s, mode, dev));
-        std::optional<g::fused_plan> first;  // the batch-invariant run's plan at the first M > 0
-        for (const std::int64_t m : grid_tokens) {
-          CAPTURE(m);
-          const g::fused_plan p = plan_of(c, m, dev);
-          check_layout(p, c);
-          CHECK(p.choice != g::gemm_tuning_choice::automatic);
-          CHECK(p.down_k_splits >= 1);
-          CHECK(p.cluster_m >= 1);
-          CHECK(p.schedule_block_m % p.cluster_m == 0);
-          CHECK(p.describe().find("cuda_fused M=" + std::to_string(m) + ": ") == 0);
-          // No device or no wgmma image: never a wgmma plan.
-          if (!dev.has_wgmma) CHECK(p.family != g::gemm_family::wgmma);
-          // A split keeps whole K tiles of GEMM2 and never exceeds them.
-          CHECK(p.down_k_splits <= std::max(1, s.i / 64));
-          // GEMM2 leaves GEMM1's tile only for 64 x 128, from 64 x 256, unsplit, where its items are few.
-          if (p.down_tile != p.tile) {
-            CHECK(p.tile == g::sm90_tile::m64);
-            CHECK(p.down_tile == g::sm90_tile::m64n128);
-            CHECK(p.down_k_splits == 1);
-            const std::int64_t slots_m = m * s.k;
-            const std::int64_t tiles = std::min(g::moe_m_tile_capacity(slots_m, s.e, 64), slots_m);
-            CHECK(2 * tiles * ((s.h + 255) / 256) <= dev.sm_count);
-          }
-          if (p.down_k_splits > 1) {  // only where the items come in at most two waves
-            const std::int64_t slots_m = m * s.k;
-            const std::int64_t tiles = std::min(g::moe_m_tile_capacity(slots_m, s.e, p.schedule_block_m), slots_m);
-            const std::int64_t items = tiles * ((s.h + g::sm90_block_n(p.tile) - 1) / g::sm90_block_n(p.tile));
-            CHECK(items <= g::down_split_max_waves * (dev.sm_count / p.cluster_m));
-          }
-          // The decode workspace (no gathered copy, no rows for a combine kernel) holds act and
-          // O(E + slots) bytes of plan and schedule besides.
-          const auto slots = static_cast<std::size_t>(m) * static_cast<std::size_t>(s.k);
-          if (!p.gather_a && p.workspace.rows_bytes == 0)
-            CHECK(p.workspace.total <= slots * static_cast<std::size_t>(s.i) * 2 + 64 * slots +
-                                           64 * static_cast<std::size_t>(s.e) + 4096);
-          if (mode == grid_mode::batch_invariant && m > 0 && dev.has_wgmma) {
-            // One kernel family and K order at every M: wgmma tiles, no K split, rows summed
-            // per token in slot order.
-            CHECK(p.family == g::gemm_family::wgmma);
-            CHECK(p.down_k_splits == 1);
-            CHECK(p.down == g::down_store::rows);
-            CHECK(p.combine_kernel);
-            if (!first) first = p;
-            CHECK(p.choice == first->choice);
-          }
-        }
+  for_each_grid_case(grid_devices, false, [](const grid_shape& s, grid_mode mode, const g::device_target& dev,
+                                            const moe_config_params& c) {
+    std::optional<g::fused_plan> first;  // the batch-invariant run's plan at the first M > 0
+    for (const std::int64_t m : grid_tokens) {
+      CAPTURE(m);
+      const g::fused_plan p = plan_of(c, m, dev);
+      check_layout(p, c);
+      CHECK(p.choice != g::gemm_tuning_choice::automatic);
+      CHECK(p.down_k_splits >= 1);
+      CHECK(p.cluster_m >= 1);
+      CHECK(p.schedule_block_m % p.cluster_m == 0);
+      CHECK(p.describe().find("cuda_fused M=" + std::to_string(m) + ": ") == 0);
+      // No device or no wgmma image: never a wgmma plan.
+      if (!dev.has_wgmma) CHECK(p.family != g::gemm_family::wgmma);
+      // A split keeps whole K tiles of GEMM2 and never exceeds them.
+      CHECK(p.down_k_splits <= std::max(1, s.i / 64));
+      // GEMM2 leaves GEMM1's tile only for 64 x 128, from 64 x 256, unsplit, where its items are few.
+      if (p.down_tile != p.tile) {
+        CHECK(p.tile == g::sm90_tile::m64);
+        CHECK(p.down_tile == g::sm90_tile::m64n128);
+        CHECK(p.down_k_splits == 1);
+        const std::int64_t slots_m = m * s.k;
+        const std::int64_t tiles = std::min(g::moe_m_tile_capacity(slots_m, s.e, 64), slots_m);
+        CHECK(2 * tiles * ((s.h + 255) / 256) <= dev.sm_count);
       }
+      if (p.down_k_splits > 1) {  // only where the items come in at most two waves
+        const std::int64_t slots_m = m * s.k;
+        const std::int64_t tiles = std::min(g::moe_m_tile_capacity(slots_m, s.e, p.schedule_block_m), slots_m);
+        const std::int64_t items = tiles * ((s.h + g::sm90_block_n(p.tile) - 1) / g::sm90_block_n(p.tile));
+        CHECK(items <= g::down_split_max_waves * (dev.sm_count / p.cluster_m));
+      }
+      // The decode workspace (no gathered copy, no rows for a combine kernel) holds act and
+      // O(E + slots) bytes of plan and schedule besides.
+      const auto slots = static_cast<std::size_t>(m) * static_cast<std::size_t>(s.k);
+      if (!p.gather_a && p.workspace.rows_bytes == 0)
+        CHECK(p.workspace.total <= slots * static_cast<std::size_t>(s.i) * 2 + 64 * slots +
+                                       64 * static_cast<std::size_t>(s.e) + 4096);
+      if (mode == grid_mode::batch_invariant && m > 0 && dev.has_wgmma) {
+        // One kernel family and K order at every M: wgmma tiles, no K split, rows summed
+        // per token in slot order.
+        CHECK(p.family == g::gemm_family::wgmma);
+        CHECK(p.down_k_splits == 1);
+        CHECK(p.down == g::down_store::rows);
+        CHECK(p.combine_kernel);
+        if (!first) first = p;
+        CHECK(p.choice == first->choice);
+      }
+    }
+  });
 }
 
 TEST_CASE("grid: every fp8 plan is laid out and keeps one K order where batch-invariant") {
-  for (const grid_shape& s : grid_shapes) {
-    if (s.h % 128 != 0 || s.i % 128 != 0) continue;  // the fp8 format's blocks
-    for (const grid_mode mode : grid_modes)
-      for (const g::device_target& dev : {grid_devices[0], grid_devices[1]}) {
-        const moe_config_params c = grid_config(s, mode);
-        INFO(grid_label(s, mode, dev));
-        for (const std::int64_t m : grid_tokens) {
-          CAPTURE(m);
-          const g::fp8_plan p = fp8_plan_of(c, m, dev);
-          check_fp8_layout(p, c);
-          CHECK(p.down_k_splits >= 1);
-          CHECK(p.down_k_splits <= std::max(1, s.i / 128 / 4));
-          CHECK(p.schedule_block_m == (p.stream ? 8 : 64 * p.cluster_m));
-          if (p.stream || m == 0) CHECK(p.down_k_splits == 1);
-          if (mode == grid_mode::batch_invariant) {
-            CHECK_FALSE(p.stream);
-            CHECK(p.cluster_m == 1);
-            CHECK(p.down_k_splits == 1);
-            if (m > 0) CHECK(p.down == g::down_store::rows);
-          }
-          if (mode == grid_mode::no_combine) CHECK(p.down == g::down_store::slots);
-        }
+  // An H200 and a 16-SM slice: the fp8 kernels are sm_90a's alone.
+  for_each_grid_case(std::span(grid_devices).first(2), true, [](const grid_shape& s, grid_mode mode,
+                                                                const g::device_target& dev,
+                                                                const moe_config_params& c) {
+    for (const std::int64_t m : grid_tokens) {
+      CAPTURE(m);
+      const g::fp8_plan p = fp8_plan_of(c, m, dev);
+      check_fp8_layout(p, c);
+      CHECK(p.down_k_splits >= 1);
+      CHECK(p.down_k_splits <= std::max(1, s.i / 128 / 4));
+      CHECK(p.schedule_block_m == (p.stream ? 8 : 64 * p.cluster_m));
+      if (p.stream || m == 0) CHECK(p.down_k_splits == 1);
+      if (mode == grid_mode::batch_invariant) {
+        CHECK_FALSE(p.stream);
+        CHECK(p.cluster_m == 1);
+        CHECK(p.down_k_splits == 1);
+        if (m > 0) CHECK(p.down == g::down_store::rows);
       }
-  }
+      if (mode == grid_mode::no_combine) CHECK(p.down == g::down_store::slots);
+    }
+  });
 }
 
 TEST_CASE("grid: a run's need falls with M only after decode's f32 pieces; the maximum over token counts serves every run") {
   // A smaller run can need more than a larger one only where its plan keeps f32 pieces that a
   // larger batch's plan does not: deterministic K-split parts (bf16 and fp8), or the fp8 stream
   // GEMMs' f32 act. An engine sizing one buffer asks max_workspace_bytes (the same maximum).
-  for (const grid_shape& s : grid_shapes)
-    for (const grid_mode mode : grid_modes)
-      for (const g::device_target& dev : grid_devices) {
-        const moe_config_params c = grid_config(s, mode);
-        INFO(grid_label(s, mode, dev));
-        const bool fp8 = s.h % 128 == 0 && s.i % 128 == 0;
-        std::optional<g::fused_plan> bf16_before;
-        std::optional<g::fp8_plan> fp8_before;
-        std::size_t bf16_most = 0, fp8_most = 0;
-        for (std::int64_t m = 0; m <= 6000; m = m < 300 ? m + 1 : m + 1 + m / 9) {
-          CAPTURE(m);
-          const g::fused_plan p = plan_of(c, m, dev);
-          if (bf16_before && p.workspace.total < bf16_before->workspace.total)
-            CHECK(bf16_before->down == g::down_store::partials);
-          bf16_before = p;
-          bf16_most = std::max(bf16_most, p.workspace.total);
-          if (fp8) {
-            const g::fp8_plan q = fp8_plan_of(c, m, dev);
-            if (fp8_before && q.workspace.total < fp8_before->workspace.total)
-              CHECK((fp8_before->down == g::down_store::partials || fp8_before->stream));
-            fp8_before = q;
-            fp8_most = std::max(fp8_most, q.workspace.total);
-          }
-          if (m % 97 == 0) {  // the runner's maximum is the largest need up to m
-            const auto bf16_need = [&](std::int64_t t) { return plan_of(c, t, dev).workspace.total; };
-            CHECK(moerunner::detail::max_workspace_over_tokens(m, bf16_need, "test") >= bf16_most);
-          }
-        }
+  for_each_grid_case(grid_devices, false, [](const grid_shape& s, grid_mode, const g::device_target& dev,
+                                            const moe_config_params& c) {
+    const bool fp8 = s.h % 128 == 0 && s.i % 128 == 0;
+    std::optional<g::fused_plan> bf16_before;
+    std::optional<g::fp8_plan> fp8_before;
+    std::size_t bf16_most = 0, fp8_most = 0;
+    for (std::int64_t m = 0; m <= 6000; m = m < 300 ? m + 1 : m + 1 + m / 9) {
+      CAPTURE(m);
+      const g::fused_plan p = plan_of(c, m, dev);
+      if (bf16_before && p.workspace.total < bf16_before->workspace.total)
+        CHECK(bf16_before->down == g::down_store::partials);
+      bf16_before = p;
+      bf16_most = std::max(bf16_most, p.workspace.total);
+      if (fp8) {
+        const g::fp8_plan q = fp8_plan_of(c, m, dev);
+        if (fp8_before && q.workspace.total < fp8_before->workspace.total)
+          CHECK((fp8_before->down == g::down_store::partials || fp8_before->stream));
+        fp8_before = q;
+        fp8_most = std::max(fp8_most, q.workspace.total);
       }
+      if (m % 97 == 0) {  // the policies' maximum is the largest need up to m
+        const MoeRunnerConfig cfg(c);
+        CHECK(g::max_plan_workspace(cfg, m, [&](std::int64_t t) { return plan_of(c, t, dev); }, "test") >= bf16_most);
+        if (fp8)
+          CHECK(g::max_plan_workspace(cfg, m, [&](std::int64_t t) { return fp8_plan_of(c, t, dev); }, "test") >=
+                fp8_most);
+      }
+    }
+  });
   // Where it falls: deterministic decode (Mixtral-8x7B: 32 tokens' nine K-split parts outweigh 33
   // tokens' four) and fp8 decode (Qwen3-30B-A3B at one token streams with act in f32).
   moe_config_params det = mixtral();
@@ -614,4 +623,11 @@ TEST_CASE("the maximum over token counts: every count from 0 to max_tokens, a ne
   CHECK(moerunner::detail::max_workspace_over_tokens(1100, need, "test") == 1100);
   CHECK_THROWS_WITH_AS(moerunner::detail::max_workspace_over_tokens(-1, need, "where"),
                        "where: max_tokens must not be negative, got -1", moerunner::invalid_argument_error);
+  // The plans' maximum stops at the tokens a run takes (num_tokens * top_k in 32 bits).
+  const MoeRunnerConfig cfg(mixtral());
+  const auto plan_at = [&](std::int64_t m) { return plan_of(mixtral(), m); };
+  CHECK(g::max_plan_workspace(cfg, 40, plan_at, "where") >= plan_of(mixtral(), 32).workspace.total);
+  CHECK_THROWS_WITH_AS(g::max_plan_workspace(cfg, std::int64_t{1} << 30, plan_at, "where"),
+                       "where: max_tokens * top_k must fit in 32 bits, as a run's num_tokens * top_k",
+                       moerunner::invalid_argument_error);
 }

@@ -107,11 +107,12 @@ class ep_nccl_dispatcher {
     // Rows no token fills (low_latency's slot tails, allgather's rows past a rank's M) travel
     // and reach the runner routed nowhere: zeroed once here, so NCCL never sends uninitialized
     // bytes. On the legacy stream, waited for: a dispatch on any stream comes after.
-    if (params_.mode == ep_mode::low_latency)
-      MOE_CUDA_CHECK(cudaMemset(ws_ + layout_.send_rows, 0, layout_.send_meta - layout_.send_rows));
-    if (params_.mode != ep_mode::throughput)
+    if (params_.mode != ep_mode::throughput) {
+      if (params_.mode == ep_mode::low_latency)
+        MOE_CUDA_CHECK(cudaMemset(ws_ + layout_.send_rows, 0, layout_.send_meta - layout_.send_rows));
       MOE_CUDA_CHECK(cudaMemset(ws_ + layout_.recv_rows, 0, layout_.recv_meta - layout_.recv_rows));
-    MOE_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+      MOE_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+    }
   }
 
   const ep_topology& topology() const { return topo_; }

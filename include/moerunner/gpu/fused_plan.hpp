@@ -10,6 +10,8 @@
 #include <string>
 
 #include "moerunner/core/config.hpp"
+#include "moerunner/core/error.hpp"
+#include "moerunner/core/workspace_max.hpp"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/gpu/routing_plan.hpp"
 
@@ -247,6 +249,18 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
                settings.gather_a.value_or(large_tiles && cfg.intermediate_size() >= gather_a_min_intermediate);
   p.workspace = plan_detail::layout(cfg, num_tokens, p.down, p.down_k_splits, p.gather_a);
   return p;
+}
+
+// The largest workspace of the plans over 0..max_tokens tokens, `plan_of(m)` each (cuda_fused's
+// and cuda_fused_fp8's: a run's need is not monotone in M, core/workspace_max.hpp). Refused past
+// the tokens a run takes (num_tokens * top_k in 32 bits), which also bounds the scan.
+template <class PlanOf>
+std::size_t max_plan_workspace(const MoeRunnerConfig& cfg, std::int64_t max_tokens, PlanOf&& plan_of,
+                               const char* where) {
+  MOE_EXPECT(max_tokens <= 0x7fffffff / cfg.top_k(), where,
+             "max_tokens * top_k must fit in 32 bits, as a run's num_tokens * top_k");
+  return detail::max_workspace_over_tokens(
+      max_tokens, [&](std::int64_t m) { return plan_of(m).workspace.total; }, where);
 }
 
 }  // namespace moerunner::gpu

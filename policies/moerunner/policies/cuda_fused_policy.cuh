@@ -85,7 +85,6 @@
 #include "moerunner/core/config.hpp"
 #include "moerunner/core/error.hpp"
 #include "moerunner/core/types.hpp"
-#include "moerunner/core/workspace_max.hpp"
 #include "moerunner/gpu/combine.cuh"
 #include "moerunner/gpu/down_store.cuh"
 #include "moerunner/gpu/gather.cuh"
@@ -171,16 +170,13 @@ class cuda_fused_policy {
     return plan(num_tokens, dev).workspace.total;
   }
   // The workspace every run of at most max_tokens tokens fits in: the need is not monotone in M
-  // (core/workspace_max.hpp). One plan per token count: a query for an engine's setup.
+  // (gpu::max_plan_workspace). One plan per token count: a query for an engine's setup.
   std::size_t max_workspace_bytes(std::int64_t max_tokens) const {
     return max_workspace_bytes(max_tokens, gpu::current_device_target_or_none());
   }
   std::size_t max_workspace_bytes(std::int64_t max_tokens, const gpu::device_target& dev) const {
-    // No run takes more (run_from_dispatch refuses it), and the scan is linear in max_tokens.
-    MOE_EXPECT(max_tokens <= 0x7fffffff / cfg_.top_k(), "cuda_fused_policy::max_workspace_bytes",
-               "max_tokens * top_k must fit in 32 bits, as a run's num_tokens * top_k");
-    return detail::max_workspace_over_tokens(
-        max_tokens, [&](std::int64_t m) { return plan(m, dev).workspace.total; }, "cuda_fused_policy::max_workspace_bytes");
+    return gpu::max_plan_workspace(
+        cfg_, max_tokens, [&](std::int64_t m) { return plan(m, dev); }, "cuda_fused_policy::max_workspace_bytes");
   }
 
   CombineInput run_from_dispatch(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
