@@ -2,7 +2,9 @@
 // (dispatch/ep_buffers.hpp), and the per-row rules its kernels use (dispatch/ep_rules.hpp)
 // followed step by step on the host, as the kernels and the NCCL calls apply them, for worlds of
 // 1-8 ranks: every token's row must reach exactly the ranks make_ep_send_layout names, in the
-// order make_ep_recv_layout gives, and its parts must come back to it and nowhere else.
+// order make_ep_recv_layout gives, and its parts must come back to it and nowhere else. Also the
+// verdict the dispatcher's constructor reaches from every rank's agreement words
+// (dispatch/ep_agreement.hpp).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "moerunner/dispatch/ep_agreement.hpp"
 #include "moerunner/dispatch/ep_buffers.hpp"
 #include "moerunner/dispatch/ep_layout.hpp"
 #include "moerunner/dispatch/ep_rules.hpp"
@@ -98,6 +101,58 @@ struct tag {
 };
 
 }  // namespace
+
+TEST_CASE("ep agreement: every rank's verdict is the same, naming the first rank that failed or differs") {
+  const mr::ep_topology t{.world_size = 4, .rank = 0, .num_experts = 64};
+  const mr::ep_params p{.mode = mr::ep_mode::low_latency, .max_tokens_per_rank = 128};
+  const mr::ep_buffer_layout l = mr::make_ep_buffer_layout(t, 6, 2048, mr::dtype::bf16, p, "test");
+  const mr::ep_agreement same = mr::make_ep_agreement(64, mr::dtype::bf16, l);
+  std::vector<mr::ep_agreement> all(4, same);
+  CHECK_NOTHROW(mr::check_ep_agreement(all, "where"));
+  CHECK_NOTHROW(mr::check_ep_agreement(std::vector<mr::ep_agreement>{same}, "where"));
+
+  // capacity -1 means max_tokens_per_rank: the same layout, so the same words.
+  const mr::ep_params explicit_capacity{.mode = mr::ep_mode::low_latency, .max_tokens_per_rank = 128, .capacity = 128};
+  all[3] = mr::make_ep_agreement(64, mr::dtype::bf16,
+                                 mr::make_ep_buffer_layout(t, 6, 2048, mr::dtype::bf16, explicit_capacity, "test"));
+  CHECK_NOTHROW(mr::check_ep_agreement(all, "where"));
+
+  // Each difference is named with its rank and both values.
+  const auto differs = [&](int rank, const mr::ep_agreement& a, const std::string& message) {
+    std::vector<mr::ep_agreement> v(4, same);
+    v[static_cast<std::size_t>(rank)] = a;
+    CHECK_THROWS_WITH_AS(mr::check_ep_agreement(v, "where"), ("where: " + message).c_str(),
+                         mr::invalid_argument_error);
+  };
+  const std::string tail = ": every rank builds its dispatcher with the same config, dtype and ep_params";
+  const auto layout_with = [&](mr::ep_params q, int top_k, int hidden, mr::dtype type) {
+    return mr::make_ep_buffer_layout(t, top_k, hidden, type, q, "test");
+  };
+  differs(2, mr::make_ep_agreement(128, mr::dtype::bf16, l), "rank 2 was built with num_experts 128, rank 0 with 64" + tail);
+  differs(1, mr::make_ep_agreement(64, mr::dtype::bf16, layout_with(p, 8, 2048, mr::dtype::bf16)),
+          "rank 1 was built with top_k 8, rank 0 with 6" + tail);
+  differs(3, mr::make_ep_agreement(64, mr::dtype::bf16, layout_with(p, 6, 4096, mr::dtype::bf16)),
+          "rank 3 was built with hidden_size 4096, rank 0 with 2048" + tail);
+  differs(1, mr::make_ep_agreement(64, mr::dtype::f16, layout_with(p, 6, 2048, mr::dtype::f16)),
+          "rank 1 was built with dtype f16, rank 0 with bf16" + tail);
+  differs(1, mr::make_ep_agreement(64, mr::dtype::bf16, layout_with({.mode = mr::ep_mode::allgather, .max_tokens_per_rank = 128}, 6, 2048, mr::dtype::bf16)),
+          "rank 1 was built with mode allgather, rank 0 with low_latency" + tail);
+  differs(2, mr::make_ep_agreement(64, mr::dtype::bf16, layout_with({.mode = mr::ep_mode::low_latency, .max_tokens_per_rank = 256}, 6, 2048, mr::dtype::bf16)),
+          "rank 2 was built with max_tokens_per_rank 256, rank 0 with 128" + tail);
+  differs(2, mr::make_ep_agreement(64, mr::dtype::bf16, layout_with({.mode = mr::ep_mode::low_latency, .max_tokens_per_rank = 128, .capacity = 16}, 6, 2048, mr::dtype::bf16)),
+          "rank 2 was built with capacity (rows per slot) 16, rank 0 with 128" + tail);
+
+  // A rank whose own checks failed makes every rank throw, before any comparison: its words
+  // are not a layout's.
+  const std::string failed =
+      "its own checks when building its dispatcher (its error says why); the dispatcher is built on every rank alike "
+      "or on none";
+  differs(3, mr::failed_ep_agreement(), "rank 3 failed " + failed);
+  std::vector<mr::ep_agreement> first_failed(4, same);
+  first_failed[0] = mr::failed_ep_agreement();
+  CHECK_THROWS_WITH_AS(mr::check_ep_agreement(first_failed, "where"), ("where: rank 0 failed " + failed).c_str(),
+                       mr::invalid_argument_error);
+}
 
 TEST_CASE("ep device rules: each row reaches the ranks make_ep_send_layout names and comes back to its token") {
   std::mt19937 rng(4321);

@@ -475,6 +475,46 @@ TEST_CASE("ep low_latency and allgather: captured once in a CUDA graph, replayed
   }
 }
 
+TEST_CASE("ep construction: ranks built differently, or one whose checks fail, make every rank throw") {
+  const int world = g_world;
+  std::mt19937 rng(11);
+  const layer l(rng);
+  const mr::MoeRunnerConfig cfg = l.config(world, false);
+  const auto build = [&](ncclComm_t comm, const mr::ep_params& p, std::size_t shortfall) {
+    const mr::ep_buffer_layout lay = mr::ep_nccl_dispatcher::layout_for(world, cfg, l.type, p);
+    device_buffer ws(lay.bytes);
+    mr::ep_nccl_dispatcher disp(comm, cfg, l.type, p, {ws.get(), lay.bytes - shortfall});
+  };
+  // Built alike (capacity -1 on some ranks, its value spelled out on others), every rank goes on.
+  std::vector<std::string> errors = on_ranks(world, [&](int rank, ncclComm_t comm) {
+    build(comm, {.mode = mr::ep_mode::low_latency, .max_tokens_per_rank = 64, .capacity = rank % 2 ? 64 : -1}, 0);
+  });
+  for (int r = 0; r < world; ++r) CHECK(errors[r].empty());
+  if (world < 2) {
+    MESSAGE("one rank: no other rank to differ from");
+    return;
+  }
+  // The last rank asks for more tokens per rank than the others: every rank names it.
+  const int last = world - 1;
+  errors = on_ranks(world, [&](int rank, ncclComm_t comm) {
+    build(comm, {.mode = mr::ep_mode::low_latency, .max_tokens_per_rank = rank == last ? 96 : 64}, 0);
+  });
+  for (int r = 0; r < world; ++r) {
+    CAPTURE(r);
+    CHECK(errors[r].find("rank " + std::to_string(last) + " was built with max_tokens_per_rank 96, rank 0 with 64") !=
+          std::string::npos);
+  }
+  // The last rank's workspace is a byte short: it throws its own error, the others name it.
+  errors = on_ranks(world, [&](int rank, ncclComm_t comm) {
+    build(comm, {.mode = mr::ep_mode::throughput, .max_tokens_per_rank = 64}, rank == last ? 1 : 0);
+  });
+  for (int r = 0; r < world; ++r) {
+    CAPTURE(r);
+    CHECK(errors[r].find(r == last ? "the workspace has" : "rank " + std::to_string(last) + " failed its own checks") !=
+          std::string::npos);
+  }
+}
+
 TEST_CASE("ep errors: the call and the argument named, nothing run") {
   std::mt19937 rng(7);
   const layer l(rng);

@@ -30,9 +30,11 @@
 //     the parts (ncclReduceScatter, sum in the parts' dtype in NCCL's order: rank order and one
 //     rounding only for R <= 2). No host synchronization, graph capturable.
 //
-// dispatch and combine are collective: every rank calls them, in the same order, with the same
-// ep_params (a mismatch hangs or garbles NCCL's transfers; it is not detected), and never inside
-// the caller's own ncclGroupStart/End (each call's transfers must complete in its group). Between a
+// The constructor, dispatch and combine are collective: every rank calls them, in the same order,
+// and never inside the caller's own ncclGroupStart/End (each call's transfers must complete in
+// its group). Every rank builds its dispatcher with the same config, dtype and ep_params: the
+// constructor compares them across the ranks and every rank throws on a difference (or on any
+// rank's failed checks) instead of hanging later. Between a
 // dispatch and its combine the workspace holds the send lists; a second dispatch on the same
 // dispatcher before the combine overwrites them. Memory: the workspace (layout_for(...).bytes,
 // device memory of the communicator's GPU, owned by the caller); the dispatcher allocates none.
@@ -46,6 +48,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -57,6 +60,7 @@
 #include "moerunner/core/error.hpp"
 #include "moerunner/core/tensor_view.hpp"
 #include "moerunner/core/types.hpp"
+#include "moerunner/dispatch/ep_agreement.hpp"
 #include "moerunner/dispatch/ep_buffers.hpp"
 #include "moerunner/dispatch/ep_layout.hpp"
 #include "moerunner/gpu/cuda_check.hpp"
@@ -77,6 +81,11 @@ class ep_nccl_dispatcher {
     return make_ep_buffer_layout(topo, cfg.top_k(), cfg.hidden_size(), type, p, where);
   }
 
+  // Collective: every rank builds its dispatcher, once, with the same config, dtype and ep_params.
+  // The ranks gather what each was built with (64 bytes per rank, through a device buffer held for
+  // the call) and every rank throws if any rank's own checks failed or any differs, rather than
+  // leaving the others to hang in a transfer sized otherwise. A null communicator, or one whose
+  // GPU is not the current device, is refused before the exchange (on that rank alone).
   ep_nccl_dispatcher(ncclComm_t comm, const MoeRunnerConfig& cfg, dtype type, const ep_params& p, workspace_view ws)
       : comm_(comm), cfg_(cfg), type_(type), params_(p) {
     constexpr const char* where = "ep_nccl_dispatcher";
@@ -90,18 +99,19 @@ class ep_nccl_dispatcher {
                "the communicator's GPU (" + std::to_string(comm_device) + ") is not the current device (" +
                    std::to_string(device) + ")");
     topo_ = {size, rank, cfg.num_experts()};
-    check_config(topo_, cfg, where);
-    layout_ = make_ep_buffer_layout(topo_, cfg.top_k(), cfg.hidden_size(), type, p, where);
-    MOE_EXPECT(ws.data != nullptr, where, "the workspace is null");
-    MOE_EXPECT(ws.bytes >= layout_.bytes, where,
-               "the workspace has " + std::to_string(ws.bytes) + " bytes, the layout needs " +
-                   std::to_string(layout_.bytes) + " (ep_nccl_dispatcher::layout_for)");
-    MOE_EXPECT(reinterpret_cast<std::uintptr_t>(ws.data) % 256 == 0, where,
-               "the workspace must be 256-byte aligned (cudaMalloc's alignment)");
-    cudaPointerAttributes attr{};
-    MOE_CUDA_CHECK(cudaPointerGetAttributes(&attr, ws.data));
-    MOE_EXPECT(attr.type == cudaMemoryTypeDevice && attr.device == device, where,
-               "the workspace must be device memory of the communicator's GPU");
+    // This rank's own checks, kept until every rank has said how its went.
+    std::exception_ptr own_error;
+    try {
+      check_config(topo_, cfg, where);
+      layout_ = make_ep_buffer_layout(topo_, cfg.top_k(), cfg.hidden_size(), type, p, where);
+      check_workspace(ws, device, where);
+    } catch (const moe_error&) {
+      own_error = std::current_exception();
+    }
+    const std::vector<ep_agreement> all =
+        gather_agreement(own_error ? failed_ep_agreement() : make_ep_agreement(cfg.num_experts(), type, layout_));
+    if (own_error) std::rethrow_exception(own_error);
+    check_ep_agreement(all, where);
     ws_ = static_cast<char*>(ws.data);
     host_counts_.assign(2 * static_cast<std::size_t>(size), 0);
     // Rows no token fills (low_latency's slot tails, allgather's rows past a rank's M) travel
@@ -243,6 +253,48 @@ class ep_nccl_dispatcher {
    private:
     bool open_ = true;
   };
+
+  void check_workspace(const workspace_view& ws, int device, const char* where) const {
+    MOE_EXPECT(ws.data != nullptr, where, "the workspace is null");
+    MOE_EXPECT(ws.bytes >= layout_.bytes, where,
+               "the workspace has " + std::to_string(ws.bytes) + " bytes, the layout needs " +
+                   std::to_string(layout_.bytes) + " (ep_nccl_dispatcher::layout_for)");
+    MOE_EXPECT(reinterpret_cast<std::uintptr_t>(ws.data) % 256 == 0, where,
+               "the workspace must be 256-byte aligned (cudaMalloc's alignment)");
+    cudaPointerAttributes attr{};
+    MOE_CUDA_CHECK(cudaPointerGetAttributes(&attr, ws.data));
+    MOE_EXPECT(attr.type == cudaMemoryTypeDevice && attr.device == device, where,
+               "the workspace must be device memory of the communicator's GPU");
+  }
+
+  // Every rank's agreement words, rank by rank: an all-gather through a device buffer of this
+  // call's own (the workspace may be what a rank's checks refused), on a stream of its own,
+  // waited for.
+  std::vector<ep_agreement> gather_agreement(const ep_agreement& mine) const {
+    const int r = topo_.world_size;
+    std::vector<ep_agreement> all(static_cast<std::size_t>(r));
+    constexpr std::size_t words_bytes = sizeof(ep_agreement);
+    struct device_buffer {
+      void* p = nullptr;
+      ~device_buffer() { cudaFree(p); }
+    } buf;
+    struct own_stream {
+      cudaStream_t s = nullptr;
+      ~own_stream() {
+        if (s != nullptr) cudaStreamDestroy(s);
+      }
+    } st;
+    MOE_CUDA_CHECK(cudaMalloc(&buf.p, words_bytes * static_cast<std::size_t>(r)));
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st.s, cudaStreamNonBlocking));
+    auto* slots = static_cast<char*>(buf.p);
+    char* own = slots + words_bytes * static_cast<std::size_t>(topo_.rank);
+    MOE_CUDA_CHECK(cudaMemcpyAsync(own, mine.data(), words_bytes, cudaMemcpyHostToDevice, st.s));
+    MOE_NCCL_CHECK(ncclAllGather(own, slots, ep_agreement_words, ncclInt64, comm_, st.s));
+    MOE_CUDA_CHECK(cudaMemcpyAsync(all.data(), slots, words_bytes * static_cast<std::size_t>(r),
+                                   cudaMemcpyDeviceToHost, st.s));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
+    return all;
+  }
 
   static void check_config(const ep_topology& topo, const MoeRunnerConfig& cfg, const char* where) {
     topo.validate(where);
