@@ -34,10 +34,10 @@
 // and never inside the caller's own ncclGroupStart/End (each call's transfers must complete in
 // its group). Every rank builds its dispatcher with the same config, dtype and ep_params: the
 // constructor compares them across the ranks and every rank throws on a difference (or on any
-// rank's failed checks) instead of hanging later. Between a
-// dispatch and its combine the workspace holds the send lists; a second dispatch on the same
-// dispatcher before the combine overwrites them. Memory: the workspace (layout_for(...).bytes,
-// device memory of the communicator's GPU, owned by the caller); the dispatcher allocates none.
+// rank's failed checks) instead of hanging later. Between a dispatch and its combine the
+// workspace holds the send lists; a second dispatch on the same dispatcher before the combine
+// overwrites them. Memory: the workspace (layout_for(...).bytes, device memory of the
+// communicator's GPU, owned by the caller); the dispatcher allocates none after its constructor.
 // Rows, parts and the output are of the dtype given at construction (f32, f16 or bf16).
 #pragma once
 
@@ -99,7 +99,7 @@ class ep_nccl_dispatcher {
                "the communicator's GPU (" + std::to_string(comm_device) + ") is not the current device (" +
                    std::to_string(device) + ")");
     topo_ = {size, rank, cfg.num_experts()};
-    // This rank's own checks, kept until every rank has said how its went.
+    // This rank's own checks, kept until every rank has said how its checks went.
     std::exception_ptr own_error;
     try {
       check_config(topo_, cfg, where);
