@@ -18,22 +18,33 @@
 
 namespace moerunner {
 
-inline constexpr int ep_agreement_words = 8;
+// The words, in order: the rank's own verdict, then what it was built with.
+enum ep_agreement_word : int {
+  ep_word_checks,
+  ep_word_experts,
+  ep_word_top_k,
+  ep_word_hidden,
+  ep_word_dtype,
+  ep_word_mode,
+  ep_word_max_tokens,
+  ep_word_capacity,
+  ep_agreement_words
+};
 using ep_agreement = std::array<std::int64_t, ep_agreement_words>;
 
 namespace ep_agreement_detail {
-// Word 0 is the rank's own verdict; the others name what they hold, for the message.
+// Each word's name in the message, by ep_agreement_word.
 inline constexpr std::array<const char*, ep_agreement_words> fields = {
     "checks", "num_experts", "top_k", "hidden_size", "dtype", "mode", "max_tokens_per_rank", "capacity (rows per slot)"};
 inline constexpr std::int64_t passed = 1, failed = 0;
 
 // Word w's value as the message shows it (the dtype and the mode by name).
 inline std::string shown(int w, std::int64_t v) {
-  if (w == 4 && v >= 0 && v < 256) {
+  if (w == ep_word_dtype && v >= 0 && v < 256) {
     const std::string_view n = dtype_name(static_cast<dtype>(v));
     if (n != "?") return std::string(n);
   }
-  if (w == 5 && v >= 0 && v < 256) {
+  if (w == ep_word_mode && v >= 0 && v < 256) {
     const std::string_view n = ep_mode_name(static_cast<ep_mode>(v));
     if (!n.empty()) return std::string(n);
   }
@@ -43,14 +54,22 @@ inline std::string shown(int w, std::int64_t v) {
 
 // The words of a rank whose own checks passed, built with num_experts experts in all and `l`.
 inline ep_agreement make_ep_agreement(int num_experts, dtype type, const ep_buffer_layout& l) {
-  return {ep_agreement_detail::passed, num_experts, l.top_k, l.hidden, static_cast<std::int64_t>(type),
-          static_cast<std::int64_t>(l.mode), l.max_tokens, l.slots};
+  ep_agreement a{};
+  a[ep_word_checks] = ep_agreement_detail::passed;
+  a[ep_word_experts] = num_experts;
+  a[ep_word_top_k] = l.top_k;
+  a[ep_word_hidden] = l.hidden;
+  a[ep_word_dtype] = static_cast<std::int64_t>(type);
+  a[ep_word_mode] = static_cast<std::int64_t>(l.mode);
+  a[ep_word_max_tokens] = l.max_tokens;
+  a[ep_word_capacity] = l.slots;
+  return a;
 }
 
 // The words of a rank whose own checks failed (it throws its own error).
 inline ep_agreement failed_ep_agreement() {
   ep_agreement a{};
-  a[0] = ep_agreement_detail::failed;
+  a[ep_word_checks] = ep_agreement_detail::failed;
   return a;
 }
 
@@ -60,11 +79,11 @@ inline ep_agreement failed_ep_agreement() {
 inline void check_ep_agreement(std::span<const ep_agreement> all, const char* where) {
   using namespace ep_agreement_detail;
   for (std::size_t r = 0; r < all.size(); ++r)
-    MOE_EXPECT(all[r][0] == passed, where,
+    MOE_EXPECT(all[r][ep_word_checks] == passed, where,
                "rank " + std::to_string(r) + " failed its own checks when building its dispatcher (its error says why); "
                "the dispatcher is built on every rank alike or on none");
   for (std::size_t r = 1; r < all.size(); ++r)
-    for (int w = 1; w < ep_agreement_words; ++w)
+    for (int w = ep_word_checks + 1; w < ep_agreement_words; ++w)
       MOE_EXPECT(all[r][w] == all[0][w], where,
                  std::string("rank ") + std::to_string(r) + " was built with " + fields[w] + " " +
                      shown(w, all[r][w]) + ", rank 0 with " + shown(w, all[0][w]) +
