@@ -22,6 +22,9 @@ constexpr g::device_target h200{.code_arch = 90, .has_wgmma = true, .sm_count = 
 
 moe_config_params mixtral() { return {.num_experts = 8, .hidden_size = 4096, .intermediate_size = 14336, .top_k = 2}; }
 moe_config_params qwen3() { return {.num_experts = 128, .hidden_size = 2048, .intermediate_size = 768, .top_k = 8}; }
+moe_config_params deepseek() {
+  return {.num_experts = 256, .hidden_size = 7168, .intermediate_size = 2048, .top_k = 8};
+}
 
 g::fused_plan plan_of(moe_config_params p, std::int64_t m, g::device_target dev = h200, g::fused_settings s = {}) {
   return g::make_fused_plan(MoeRunnerConfig(p), s, m, dev);
@@ -197,6 +200,38 @@ TEST_CASE("GEMM2 splits K only where its items come in at most two waves") {
   CHECK(g::wgmma_down_k_splits(24, 4096, 14336, 132, 256, 64, 4) > 1);  // four waves allowed: the old rule
 }
 
+TEST_CASE("GEMM2 on 64 x 128 tiles where its unsplit items would fill at most half the SMs") {
+  // Batch-invariant Mixtral-8x7B at one token: GEMM1's 224 items take 64 x 256 tiles, GEMM2's
+  // would be 32 (2 experts x 16 N tiles) and may not split: 64 x 128 doubles them.
+  moe_config_params inv = mixtral();
+  inv.batch_invariant = true;
+  const g::fused_plan one = plan_of(inv, 1);
+  CHECK(one.tile == g::sm90_tile::m64);
+  CHECK(one.down_tile == g::sm90_tile::m64n128);
+  CHECK(one.down_k_splits == 1);
+  CHECK(one.describe().find("GEMM2 on m64n128") != std::string::npos);
+  check_layout(one, inv);
+  // Eight tokens reach every expert: 8 x 16 = 128 items, nearly a wave already.
+  CHECK(plan_of(inv, 8).down_tile == g::sm90_tile::m64);
+  // The default run at 64 tokens splits K instead; a forced tuning keeps its tile for both GEMMs.
+  CHECK(plan_of(mixtral(), 64).down_tile == g::sm90_tile::m64);
+  CHECK(plan_of(inv, 1, h200, with_tuning(g::gemm_tuning_choice::sm90_wgmma_m64)).down_tile == g::sm90_tile::m64);
+  // Of the benchmark's cells only that one changes: every other plan runs GEMM2 on GEMM1's tile.
+  for (const moe_config_params& base : {mixtral(), qwen3(), deepseek()})
+    for (int mode = 0; mode < 3; ++mode) {
+      moe_config_params c = base;
+      c.deterministic = mode == 1;
+      c.batch_invariant = mode == 2;
+      for (std::int64_t m : {1, 8, 64, 512, 4096, 16384}) {
+        CAPTURE(m);
+        CAPTURE(mode);
+        const g::fused_plan p = plan_of(c, m);
+        const bool changed = c.batch_invariant && c.num_experts == 8 && m == 1;
+        CHECK((p.down_tile != p.tile) == changed);
+      }
+    }
+}
+
 TEST_CASE("the device decides the family: no device, sm_80 code, sm_90 code without wgmma") {
   const g::fused_plan none = plan_of(qwen3(), 64, g::device_target{});
   CHECK(none.choice == g::gemm_tuning_choice::sm80);
@@ -249,10 +284,6 @@ TEST_CASE("settings: dependent launches and the in-GEMM schedule as set") {
 // ---- cuda_fused_fp8 (gpu::make_fp8_plan)
 
 namespace {
-
-moe_config_params deepseek() {
-  return {.num_experts = 256, .hidden_size = 7168, .intermediate_size = 2048, .top_k = 8};
-}
 
 void check_fp8_layout(const g::fp8_plan& p, const moe_config_params& c) {
   const g::fp8_workspace& w = p.workspace;
@@ -482,6 +513,15 @@ TEST_CASE("grid: every bf16 plan is laid out, sized within its bounds, batch-inv
       if (!dev.has_wgmma) CHECK(p.family != g::gemm_family::wgmma);
       // A split keeps whole K tiles of GEMM2 and never exceeds them.
       CHECK(p.down_k_splits <= std::max(1, s.i / 64));
+      // GEMM2 leaves GEMM1's tile only for 64 x 128, from 64 x 256, unsplit, where its items are few.
+      if (p.down_tile != p.tile) {
+        CHECK(p.tile == g::sm90_tile::m64);
+        CHECK(p.down_tile == g::sm90_tile::m64n128);
+        CHECK(p.down_k_splits == 1);
+        const std::int64_t slots_m = m * s.k;
+        const std::int64_t tiles = std::min(g::moe_m_tile_capacity(slots_m, s.e, 64), slots_m);
+        CHECK(2 * tiles * ((s.h + 255) / 256) <= dev.sm_count);
+      }
       if (p.down_k_splits > 1) {  // only where the items come in at most two waves
         const std::int64_t slots_m = m * s.k;
         const std::int64_t tiles = std::min(g::moe_m_tile_capacity(slots_m, s.e, p.schedule_block_m), slots_m);

@@ -743,36 +743,45 @@ struct probes {
 
 TEST_CASE("cuda_fused batch_invariant: a token's bits do not depend on the batch it runs in") {
   // E = 16, k = 4: one row per active expert at M = 1 (the default runs the stream GEMMs there),
-  // 16 at 64 (64-row tiles), 128 at 512 (128-row tiles), 1024 at 4096 (2-CTA clusters).
+  // 16 at 64 (64-row tiles), 128 at 512 (128-row tiles), 1024 at 4096 (2-CTA clusters). E = 8,
+  // k = 2 with I long against H: up to 64 rows per expert GEMM1 takes 64 x 256 tiles and GEMM2,
+  // whose items are few, 64 x 128 tiles.
   const unsigned seed = mr::test::test_seed();
   CAPTURE(seed);
   std::mt19937 rng(seed);
-  for (mr::dtype t : both_types) {
-    CAPTURE(std::string(mr::dtype_name(t)));
-    const probes pr(16, 4, odd_h, odd_i, t, rng);
-    // The probes' reference output, computed alone.
-    host_tensor ref(t, {probes::count, odd_h});
-    mr::MoeRunner<mr::reference_policy>("reference", pr.config(false))
-        .run(mr::DispatchOutput{pr.x.view, {}, {pr.weights.view, pr.ids.view}},
-             mr::unquantized_quant_info{pr.w13.view, pr.w2.view}, ref.view, {}, {});
-    const std::pair<std::int64_t, std::vector<std::int64_t>> batches[] = {
-        {1, {0, -1, -1}}, {7, {0, 3, 6}}, {64, {63, 1, 30}}, {512, {100, 511, 0}}, {4096, {4095, 2048, 7}}};
-    std::vector<std::vector<unsigned char>> first(probes::count);
-    for (const auto& [m, at] : batches) {
-      std::string plan;
-      const auto rows = pr.run(m, at, true, rng, &plan);
-      CAPTURE(plan);
-      for (int j = 0; j < probes::count; ++j) {
-        if (rows[j].empty()) continue;
-        CAPTURE(j);
-        // Within the dtype's bound of the reference (no poison, nothing non-finite) ...
-        host_tensor got(t, {1, odd_h}), want(t, {1, odd_h});
-        std::memcpy(got.view.data, rows[j].data(), rows[j].size());
-        std::memcpy(want.view.data, static_cast<const char*>(ref.view.data) + j * rows[j].size(), rows[j].size());
-        CHECK(mr::test::rel_error(got.view, want.view) <= per_row_factor * bound_for(t));
-        // ... and bit for bit what the probe got in the first batch it ran in.
-        if (first[j].empty()) first[j] = rows[j];
-        else CHECK_MESSAGE(rows[j] == first[j], "probe ", j, " changed its bits at M=", m);
+  struct shape {
+    int e, k, h, i;
+  };
+  for (const shape sh : {shape{16, 4, odd_h, odd_i}, shape{8, 2, 512, 4352}}) {
+    for (mr::dtype t : both_types) {
+      CAPTURE(sh.e);
+      CAPTURE(std::string(mr::dtype_name(t)));
+      const probes pr(sh.e, sh.k, sh.h, sh.i, t, rng);
+      // The probes' reference output, computed alone.
+      host_tensor ref(t, {probes::count, sh.h});
+      mr::MoeRunner<mr::reference_policy>("reference", pr.config(false))
+          .run(mr::DispatchOutput{pr.x.view, {}, {pr.weights.view, pr.ids.view}},
+               mr::unquantized_quant_info{pr.w13.view, pr.w2.view}, ref.view, {}, {});
+      const std::pair<std::int64_t, std::vector<std::int64_t>> batches[] = {
+          {1, {0, -1, -1}}, {7, {0, 3, 6}}, {64, {63, 1, 30}}, {512, {100, 511, 0}}, {4096, {4095, 2048, 7}}};
+      std::vector<std::vector<unsigned char>> first(probes::count);
+      for (const auto& [m, at] : batches) {
+        std::string plan;
+        const auto rows = pr.run(m, at, true, rng, &plan);
+        CAPTURE(plan);
+        if (sh.e == 8 && m <= 64) CHECK(plan.find("GEMM2 on m64n128") != std::string::npos);
+        for (int j = 0; j < probes::count; ++j) {
+          if (rows[j].empty()) continue;
+          CAPTURE(j);
+          // Within the dtype's bound of the reference (no poison, nothing non-finite) ...
+          host_tensor got(t, {1, sh.h}), want(t, {1, sh.h});
+          std::memcpy(got.view.data, rows[j].data(), rows[j].size());
+          std::memcpy(want.view.data, static_cast<const char*>(ref.view.data) + j * rows[j].size(), rows[j].size());
+          CHECK(mr::test::rel_error(got.view, want.view) <= per_row_factor * bound_for(t));
+          // ... and bit for bit what the probe got in the first batch it ran in.
+          if (first[j].empty()) first[j] = rows[j];
+          else CHECK_MESSAGE(rows[j] == first[j], "probe ", j, " changed its bits at M=", m);
+        }
       }
     }
   }

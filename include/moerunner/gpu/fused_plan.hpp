@@ -94,6 +94,7 @@ struct fused_plan {
   gemm_tuning_choice choice = gemm_tuning_choice::automatic;  // the tuning that runs (never automatic)
   gemm_family family = gemm_family::mma;
   sm90_tile tile = sm90_tile::m128;  // wgmma and stream families: the tile
+  sm90_tile down_tile = sm90_tile::m128;  // GEMM2's tile: `tile`, or 64 x 128 where GEMM2's items are few
   int schedule_block_m = 0;          // rows of one tile of the M-tile schedule
   int cluster_m = 1;                 // CTAs that run one work item together
   int down_k_splits = 1;             // GEMM2's K ranges over CTAs
@@ -117,6 +118,7 @@ struct fused_plan {
     s += " (tuning " + std::string(gemm_tuning_name(choice)) + ", schedule tiles of " +
          std::to_string(schedule_block_m) + " rows";
     if (cluster_m > 1) s += ", clusters of " + std::to_string(cluster_m);
+    if (down_tile != tile) s += ", GEMM2 on " + std::string(sm90_tile_name(down_tile));
     s += "), ";
     s += schedule_in_gemms ? "schedule built in the GEMMs" : "plan kernel";
     s += ", GEMM2 " + std::string(down_store_name(down));
@@ -223,6 +225,20 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
                                           dev.sm_count / p.cluster_m, sm90_block_n(p.tile));
   }
   p.down = store == down_store::rows && p.down_k_splits > 1 ? down_store::partials : store;
+  // GEMM2 on 64 x 128 tiles where, unsplit, its 64 x 256 items would fill at most half the SMs
+  // (the rule GEMM1's tile follows, sm90_tile_for): batch-invariant decode, whose K order allows
+  // no split (Mixtral-8x7B at one token: 32 items, 2 experts x 16 N tiles, on 132 SMs), and K too
+  // short to split. Both tiles walk one schedule of 64-row tiles, and a tile's width does not
+  // change any output's K order. Only where the plan chose the tile by shape.
+  p.down_tile = p.tile;
+  if (p.choice == gemm_tuning_choice::sm90_wgmma && p.tile == sm90_tile::m64 && p.down_k_splits == 1 &&
+      num_tokens > 0) {
+    const std::int64_t tile_bound =
+        std::min(moe_m_tile_capacity(slots, cfg.num_local_experts(), p.schedule_block_m), slots);
+    const int cols = sm90_block_n(p.tile);
+    const std::int64_t items = tile_bound * ((cfg.hidden_size() + cols - 1) / cols);
+    if (2 * items <= dev.sm_count) p.down_tile = sm90_tile::m64n128;
+  }
   p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;
   p.schedule_in_gemms = p.family == gemm_family::stream && settings.plan_in_gemms && slots <= local_plan_max_slots;
   p.dependent_launch = settings.dependent_launch.value_or(p.family == gemm_family::stream);

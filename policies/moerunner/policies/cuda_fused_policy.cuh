@@ -231,7 +231,12 @@ class cuda_fused_policy {
       case gpu::gemm_family::stream: run_pipeline<gpu::stream_gemm_policy>(bf16, d, q, out, ws, pl, dev, s); break;
       case gpu::gemm_family::wgmma:
         switch (pl.tile) {
-          case gpu::sm90_tile::m64: run_pipeline<gpu::sm90_wgmma_m64_gemm_policy>(bf16, d, q, out, ws, pl, dev, s); break;
+          case gpu::sm90_tile::m64:
+            if (pl.down_tile == gpu::sm90_tile::m64n128)
+              run_pipeline<gpu::sm90_wgmma_m64_gemm_policy, gpu::sm90_wgmma_m64n128_gemm_policy>(bf16, d, q, out, ws,
+                                                                                                  pl, dev, s);
+            else run_pipeline<gpu::sm90_wgmma_m64_gemm_policy>(bf16, d, q, out, ws, pl, dev, s);
+            break;
           case gpu::sm90_tile::m64n128:
             run_pipeline<gpu::sm90_wgmma_m64n128_gemm_policy>(bf16, d, q, out, ws, pl, dev, s);
             break;
@@ -275,20 +280,23 @@ class cuda_fused_policy {
     else gpu::launch_moe_gemm<T, GemmPolicy, Kind>(p, schedule, dev, stream);
   }
 
-  // The pipeline with the element type the run's dtype names (bf16 or, validated, f16).
-  template <class GemmPolicy, class... Args>
+  // The pipeline with the element type the run's dtype names (bf16 or, validated, f16); GEMM2 on
+  // DownPolicy's tile (the plan's down_tile).
+  template <class GemmPolicy, class DownPolicy = GemmPolicy, class... Args>
   void run_pipeline(bool bf16, Args&&... args) {
-    if (bf16) run_pipeline_as<__nv_bfloat16, GemmPolicy>(std::forward<Args>(args)...);
-    else run_pipeline_as<__half, GemmPolicy>(std::forward<Args>(args)...);
+    if (bf16) run_pipeline_as<__nv_bfloat16, GemmPolicy, DownPolicy>(std::forward<Args>(args)...);
+    else run_pipeline_as<__half, GemmPolicy, DownPolicy>(std::forward<Args>(args)...);
   }
 
-  template <class T, class GemmPolicy>
+  template <class T, class GemmPolicy, class DownPolicy>
   void run_pipeline_as(const DispatchOutput& d, const unquantized_quant_info& q, const tensor_view& out,
                        workspace_view ws, const gpu::fused_plan& pl, const gpu::device_facts& dev,
                        cudaStream_t stream) {
     constexpr auto tuning = GemmPolicy::tuning;
     static_assert(tuning.schedule_block_m() >= gpu::moe_gemm_min_block_m,
                   "the workspace sizes the M-tile schedule for the smallest tile");
+    static_assert(DownPolicy::tuning.schedule_block_m() == tuning.schedule_block_m(),
+                  "both GEMMs walk one M-tile schedule");
     constexpr bool stream_gemm = std::is_same_v<std::remove_cv_t<decltype(tuning)>, gpu::stream_gemm_tuning>;
     MOE_EXPECT(tuning.schedule_block_m() == pl.schedule_block_m, "cuda_fused_policy",
                "internal: the plan's schedule tile does not match the kernel it runs");
@@ -393,7 +401,7 @@ class cuda_fused_policy {
     // The stream GEMM2 loads its first weights while GEMM1 drains (kernel_stream_gemm.cuh), so
     // it is always GEMM1's programmatic dependent. After the inplace memset it is a plain
     // launch whatever was asked: a programmatic launch overlaps kernels, not a memset.
-    launch_gemm<T, GemmPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream,
+    launch_gemm<T, DownPolicy, kernels::moe_gemm_kind::down>(g2, schedule, dev, stream,
                                                              (dependent || stream_gemm) && !memset_between);
 
     // Deterministic: combine sums the rows, launched as GEMM2's programmatic dependent when the
