@@ -320,7 +320,7 @@ g::fp8_plan fp8_plan_of(moe_config_params p, std::int64_t m, g::device_target de
 
 }  // namespace
 
-TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pairs of CTAs above 64 rows per expert, K split where items come in few waves") {
+TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pairs of CTAs above 2048 rows per expert, K split where items come in few waves") {
   for (const moe_config_params& c : {mixtral(), qwen3(), deepseek()})
     for (std::int64_t m : {0, 1, 7, 64, 512, 4096, 16384}) {
       CAPTURE(c.num_experts);
@@ -328,9 +328,9 @@ TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pai
       const g::fp8_plan p = fp8_plan_of(c, m);
       // Stream where the active experts average at most 4 rows, as cuda_fused decides, and the
       // wgmma GEMM1 (128 act columns per item) would have items for under half the SMs; pairs
-      // of CTAs on 128-row tiles where the experts average more than 64 rows.
+      // of CTAs on 128-row tiles where the experts average more than 2048 rows.
       const std::int64_t slots = m * c.top_k, active = std::min<std::int64_t>(slots, c.num_experts);
-      const bool pair = active > 0 && slots > 64 * active;
+      const bool pair = active > 0 && slots > 2048 * active;
       const std::int64_t items = active * ((c.intermediate_size + 127) / 128);
       CHECK(p.stream == (slots > 0 && slots <= 4 * active && 2 * items < h200.sm_count));
       CHECK(p.schedule_block_m == (p.stream ? 8 : pair ? 128 : 64));
@@ -380,7 +380,8 @@ TEST_CASE("fp8 plan: the stream GEMMs and pairs forced on or off (for measuring 
   CHECK(stream_prefill.describe().find("stream e4m3") != std::string::npos);
   CHECK_FALSE(forced(mixtral(), 0, {.stream = true, .pairs = std::nullopt}).stream);  // nothing to run
   // Pairs off where the rule pairs, on where it would not.
-  const g::fp8_plan single = forced(deepseek(), 4096, {.stream = std::nullopt, .pairs = false});
+  CHECK(fp8_plan_of(mixtral(), 16384).cluster_m == 2);  // 4096 rows per expert
+  const g::fp8_plan single = forced(mixtral(), 16384, {.stream = std::nullopt, .pairs = false});
   CHECK(single.cluster_m == 1);
   CHECK(single.schedule_block_m == 64);
   const g::fp8_plan paired = forced(mixtral(), 64, {.stream = std::nullopt, .pairs = true});
@@ -421,7 +422,11 @@ TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
     CHECK(p.schedule_block_m == 64);  // single CTAs at every M
     CHECK(p.cluster_m == 1);
   }
-  CHECK(fp8_plan_of(deepseek(), 4096).schedule_block_m == 128);
+  // Where the default pairs CTAs, batch-invariant runs keep single ones.
+  CHECK(fp8_plan_of(mixtral(), 16384).schedule_block_m == 128);
+  moe_config_params inv_mixtral = mixtral();
+  inv_mixtral.batch_invariant = true;
+  CHECK(fp8_plan_of(inv_mixtral, 16384).cluster_m == 1);
   moe_config_params nc = mixtral();
   nc.no_combine = true;
   const g::fp8_plan s = fp8_plan_of(nc, 5);

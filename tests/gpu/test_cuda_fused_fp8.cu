@@ -109,8 +109,8 @@ struct fp8_problem {
 
 using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_fp8_policy>;
 
-// Device copies of an fp8 problem and a runner with exactly the workspace it asks for; `stream`
-// forces the stream GEMMs on or off (unset: the plan's rule).
+// Device copies of an fp8 problem and a runner with exactly the workspace it asks for; `forced`
+// forces the stream GEMMs or the pairs of CTAs on or off (unset: the plan's rules).
 struct fp8_on_device {
   mr::test::device_tensor x, xq, xs, w13, w2, s13, s2, weights, ids;
   mr::test::device_buffer out_buf, ws_buf;
@@ -119,11 +119,14 @@ struct fp8_on_device {
   mr::workspace_view ws;
   mr::moe_status* status = nullptr;
 
-  explicit fp8_on_device(const fp8_problem& p, std::optional<bool> stream = std::nullopt)
+  explicit fp8_on_device(const fp8_problem& p, const mr::gpu::fp8_settings& forced = {})
       : x(p.base.x), w13(p.w13), w2(p.w2), s13(p.s13), s2(p.s2), weights(p.base.weights), ids(p.base.ids),
         runner("cuda_fused_fp8", p.base.cfg) {
     runner.visit([&](auto& core) {
-      if constexpr (requires { core.set_stream_gemms(stream); }) core.set_stream_gemms(stream);
+      if constexpr (requires { core.set_stream_gemms(forced.stream); }) {
+        core.set_stream_gemms(forced.stream);
+        core.set_pairs(forced.pairs);
+      }
     });
     if (p.prequantized) {
       xq = mr::test::device_tensor(p.xq);
@@ -184,13 +187,15 @@ double worst_token_error(const host_tensor& got, const host_tensor& want, std::i
 
 double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& rng, bool preq = false,
                   mr::fp8_weight_scaling scaling = mr::fp8_weight_scaling::block128,
-                  std::optional<bool> stream = std::nullopt) {
+                  const mr::gpu::fp8_settings& forced = {}) {
   CAPTURE(mr::test::describe(s, t, o));
   CAPTURE(preq);
   CAPTURE(static_cast<int>(scaling));
   fp8_problem p(s, t, o, rng, preq, std::nullopt, scaling);
-  fp8_on_device g(p, stream);
-  if (stream && s.m > 0) CHECK(g.runner.describe(s.m).find(*stream ? "stream e4m3" : "wgmma e4m3") != std::string::npos);
+  fp8_on_device g(p, forced);
+  if (forced.stream && s.m > 0)
+    CHECK(g.runner.describe(s.m).find(*forced.stream ? "stream e4m3" : "wgmma e4m3") != std::string::npos);
+  if (forced.pairs && *forced.pairs && s.m > 0) CHECK(g.runner.describe(s.m).find("wgmma e4m3 m64x2") != std::string::npos);
   const host_tensor got = g.run_once(p);
   const double err = mr::test::rel_error(got.view, p.ref.view);
   CHECK_MESSAGE(err <= fp8_bound, "rel err ", err, " bound ", fp8_bound);
@@ -239,23 +244,30 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     worst = std::max(worst, check_case(sh, bf16, {.deterministic = true}, rng));
     worst = std::max(worst, check_case(sh, bf16, {.inplace = true, .deterministic = true}, rng));
   }
-  SUBCASE("pairs of CTAs on 128-row tiles (more than 64 rows per expert)") {
+  SUBCASE("pairs of CTAs on 128-row tiles") {
+    // Forced on at 75-150 rows per expert (the plan pairs only above 2048), and once by the rule.
     const shape sh{600, 8, 2, 256, 256};
-    CHECK(mr::gpu::make_fp8_plan(mr::MoeRunnerConfig({.num_experts = 8, .hidden_size = 256, .intermediate_size = 256,
-                                                      .top_k = 2}),
-                                 600, mr::gpu::device_target_of(mr::gpu::current_device_facts()))
-              .schedule_block_m == 128);
-    worst = std::max(worst, check_case(sh, bf16, {}, rng));
-    worst = std::max(worst, check_case(sh, bf16, {.ids = ids_kind::skewed}, rng));  // CTAs of a pair with no rows
-    worst = std::max(worst, check_case(sh, bf16, {.interleaved = true}, rng));
-    worst = std::max(worst, check_case({600, 8, 2, 384, 384}, bf16, {.gated = false}, rng));  // H, I % 256 = 128
-    worst = std::max(worst, check_case({600, 8, 2, 384, 256}, bf16, {.act = mr::activation_kind::swiglu_clamped}, rng));
-    worst = std::max(worst, check_case(sh, bf16, {.ids = ids_kind::random_filtered, .no_combine = true}, rng));
-    worst = std::max(worst, check_case(sh, bf16, {.deterministic = true}, rng));
-    worst = std::max(worst, check_case({600, 8, 1, 256, 256}, bf16, {.weight_on_input = true}, rng));
-    worst = std::max(worst, check_case(sh, mr::dtype::f16, {.inplace = true}, rng));
-    worst = std::max(worst, check_case(sh, bf16, {}, rng, true));
-    worst = std::max(worst, check_case({700, 8, 2, 1024, 1536}, bf16, {}, rng));  // per-token bound applies
+    const mr::gpu::fp8_settings pairs{.stream = std::nullopt, .pairs = true};
+    const auto pair_case = [&](const shape& c, mr::dtype t, const options& o, bool preq = false) {
+      worst = std::max(worst, check_case(c, t, o, rng, preq, mr::fp8_weight_scaling::block128, pairs));
+    };
+    pair_case(sh, bf16, {});
+    pair_case(sh, bf16, {.ids = ids_kind::skewed});  // CTAs of a pair with no rows
+    pair_case(sh, bf16, {.interleaved = true});
+    pair_case({600, 8, 2, 384, 384}, bf16, {.gated = false});  // H, I % 256 = 128
+    pair_case({600, 8, 2, 384, 256}, bf16, {.act = mr::activation_kind::swiglu_clamped});
+    pair_case(sh, bf16, {.ids = ids_kind::random_filtered, .no_combine = true});
+    pair_case(sh, bf16, {.deterministic = true});
+    pair_case({600, 8, 1, 256, 256}, bf16, {.weight_on_input = true});
+    pair_case(sh, mr::dtype::f16, {.inplace = true});
+    pair_case(sh, bf16, {}, true);
+    pair_case({700, 8, 2, 1024, 1536}, bf16, {});  // per-token bound applies
+    const shape by_rule{4200, 2, 1, 256, 256};    // 2100 rows per expert
+    CHECK(mr::gpu::make_fp8_plan(mr::MoeRunnerConfig({.num_experts = 2, .hidden_size = 256, .intermediate_size = 256,
+                                                      .top_k = 1}),
+                                 by_rule.m, mr::gpu::device_target_of(mr::gpu::current_device_facts()))
+              .cluster_m == 2);
+    worst = std::max(worst, check_case(by_rule, bf16, {}, rng));
   }
   SUBCASE("wgmma with GEMM2's K split, both combines") {
     // Few items over the SMs (8 experts of 16 rows): the plan splits GEMM2's K (reductions into
@@ -280,7 +292,7 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     // plan kernel above.
     const auto stream_case = [&](const shape& sh, const options& o, bool preq = false,
                                  mr::fp8_weight_scaling sc = mr::fp8_weight_scaling::block128) {
-      worst = std::max(worst, check_case(sh, bf16, o, rng, preq, sc, true));
+      worst = std::max(worst, check_case(sh, bf16, o, rng, preq, sc, {.stream = true}));
     };
     for (int m : {1, 2, 5}) stream_case({m, 8, 2, 512, 384}, {});  // I % 256 = 128
     stream_case({16, 64, 8, 256, 256}, {});                          // 128 slots: the plan kernel's schedule

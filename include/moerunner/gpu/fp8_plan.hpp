@@ -22,11 +22,13 @@ namespace moerunner::gpu {
 // tile that share each weight tile by TMA multicast.
 inline constexpr int fp8_group_size = fp8_block_quant_info::group;
 inline constexpr int fp8_block_m = 64, fp8_down_cols = 256, fp8_block_k = fp8_group_size;
-// Pairs where the active experts average more than 64 rows: below that most of a pair's second
-// CTA would idle, above it the single CTAs' L2 traffic (40 KB per 2 M MAC against 24 with the
-// weight tile shared) bounds the prefill cells (bench/NOTES.md, round 11).
+// Pairs where the active experts average more than 2048 rows. A pair halves the weight tiles'
+// L2 traffic (24 KB per 2 M MAC against 40) but its CTAs wait on each other's stages, and the
+// fp8 prefill cells are not L2-bound: on an H200 pairs measured 2-11% slower than single CTAs
+// at 128-1024 rows per expert (6 of the bench's 9 prefill cells) and 3.5% faster only at 4096
+// (Mixtral-8x7B, 16384 tokens). bench/NOTES.md, round 13.
 inline constexpr int fp8_large_block_m = 128;
-inline constexpr std::int64_t fp8_large_tile_min_rows = 64;
+inline constexpr std::int64_t fp8_large_tile_min_rows = 2048;
 
 // Workspace pieces as byte offsets from the 256-byte aligned start; total includes the slack.
 struct fp8_workspace {
