@@ -16,9 +16,10 @@ Rows:
                          torch) and host_us_m1 at M = 1 (stream given, plus the kernels'
                          launches); library_us_m0 and library_us_m1, the library's part of
                          those calls (the same runs on arguments converted once, timed in the
-                         extension: Runner.time_library); binding_us_m0 and binding_us_m1, the
-                         differences: what the package adds to a C++ caller's cost, whose
-                         target at M = 1 is <= 3 us (binding_us_target).
+                         extension: Runner.time_library, in batches alternating with the
+                         package's); binding_us_m0 and binding_us_m1, the medians of the
+                         per-batch differences: what the package adds to a C++ caller's cost,
+                         whose target at M = 1 is <= 3 us (binding_us_target).
   sglang_triton          SGLang's Triton fused MoE from DIR (peer_fused_moe.py and its configs/,
   sglang_triton_nearest  default .peers/sglang_triton_moe), as bench/sglang_triton.py times it
                          and with its fields, but in this process, beside the package's rows.
@@ -60,17 +61,30 @@ def host_us_per_call(call, iters):
     return statistics.median(samples)
 
 
-def library_us_per_call(runner, args, iters):
-    """Median host microseconds of the library's run alone (arguments converted once, in the
-    extension), over batches as host_us_per_call's."""
+def paired_us_per_call(call, runner, args, iters):
+    """(host, library, binding) microseconds of one call: the medians of `call` and of the
+    library's run alone (the same arguments converted once, timed in the extension), and the
+    median of their per-batch differences. The two are timed in alternating batches of BATCH
+    calls, so that a slow stretch of the host (another process, a clock change) weighs on both
+    sides of a difference instead of on one median."""
     core = runner._core
+    for _ in range(min(100, iters)):
+        call()
     core.time_library(min(100, iters), *args)
     torch.cuda.synchronize()
-    samples = []
+    host, library, binding = [], [], []
     for _ in range(max(1, iters // BATCH)):
-        samples.append(core.time_library(BATCH, *args) / BATCH * 1e6)
+        start = time.perf_counter()
+        for _ in range(BATCH):
+            call()
+        h = (time.perf_counter() - start) / BATCH * 1e6
         torch.cuda.synchronize()
-    return statistics.median(samples)
+        lib = core.time_library(BATCH, *args) / BATCH * 1e6
+        torch.cuda.synchronize()
+        host.append(h)
+        library.append(lib)
+        binding.append(h - lib)
+    return statistics.median(host), statistics.median(library), statistics.median(binding)
 
 
 def binding_overhead(runner, e, k, h, inter, iters):
@@ -90,16 +104,16 @@ def binding_overhead(runner, e, k, h, inter, iters):
     stream = torch.cuda.current_stream().cuda_stream
     m0 = (x[:0], ids[:0], weights[:0], w13, w2)
     out0 = out[:0]
-    us0 = host_us_per_call(lambda: runner.run(*m0, out=out0, workspace=workspace, stream=stream), iters)
+    us0, lib0, bind0 = paired_us_per_call(lambda: runner.run(*m0, out=out0, workspace=workspace, stream=stream),
+                                          runner, m0 + (out0, workspace, stream), iters)
     us0_current = host_us_per_call(lambda: runner.run(*m0, out=out0, workspace=workspace), iters)
-    us1 = host_us_per_call(lambda: runner.run(x, ids, weights, w13, w2, out=out, workspace=workspace,
-                                              stream=stream), iters)
-    lib0 = library_us_per_call(runner, m0 + (out0, workspace, stream), iters)
-    lib1 = library_us_per_call(runner, (x, ids, weights, w13, w2, out, workspace, stream), iters)
+    us1, lib1, bind1 = paired_us_per_call(
+        lambda: runner.run(x, ids, weights, w13, w2, out=out, workspace=workspace, stream=stream), runner,
+        (x, ids, weights, w13, w2, out, workspace, stream), iters)
     del w13, w2
     torch.cuda.empty_cache()
     return {"host_us_m0": us0, "host_us_m0_current_stream": us0_current, "host_us_m1": us1,
-            "library_us_m0": lib0, "library_us_m1": lib1, "binding_us_m0": us0 - lib0, "binding_us_m1": us1 - lib1}
+            "library_us_m0": lib0, "library_us_m1": lib1, "binding_us_m0": bind0, "binding_us_m1": bind1}
 
 
 def run_package(args, moerunner):
