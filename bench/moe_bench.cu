@@ -23,7 +23,9 @@
 // neither evict-first nor 256-byte), cuda_fused_nofetch256 (never 256-byte) and
 // cuda_fused_fetch256 (always 256-byte), which measure one choice each; and of cuda_fused_fp8,
 // on request: cuda_fused_fp8_wgmma (single wgmma CTAs at every M: neither the stream GEMMs nor
-// pairs) and cuda_fused_fp8_single (never pairs of CTAs).
+// pairs), cuda_fused_fp8_single (never pairs of CTAs), cuda_fused_fp8_pairs (pairs of CTAs
+// wherever the stream GEMMs are not taken) and cuda_fused_fp8_stream (the stream GEMMs at every
+// M; slow at prefill: ask for decode cells).
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -156,6 +158,10 @@ constexpr backend_variant backend_variants[] = {
      true, std::nullopt, false, false, false},
     {"cuda_fused_fp8_single", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0,
      std::nullopt, true, std::nullopt, false, std::nullopt, false},
+    {"cuda_fused_fp8_pairs", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0,
+     std::nullopt, true, std::nullopt, false, std::nullopt, true},
+    {"cuda_fused_fp8_stream", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0,
+     std::nullopt, true, std::nullopt, false, true, std::nullopt},
 };
 
 const backend_variant* find_variant(std::string_view label) {
