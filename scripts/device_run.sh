@@ -14,7 +14,7 @@
 #                         [--archs 90a] [--cuda-args "..."] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
 #                         [--sanitize-seconds N] [--targets LIST] [--tests LIST] [--test-seconds N]
 #                         [--profile-cells "Shape:M,..."] [--profile-backends "a,b"] [--profile-source]
-#                         [--baseline DIR] [--peer DIR] [--pack]
+#                         [--baseline DIR]... [--peer DIR] [--pack]
 #
 #   --out DIR          where logs and results go (default: $OUT if set, else build-device/run)
 #   --results FILE     benchmark JSON lines (default: DIR/h200.jsonl)
@@ -28,8 +28,10 @@
 #   --bench-args ARGS  extra arguments for moe_bench and torch_grouped_mm.py filters (--shapes/--tokens)
 #   --baseline DIR     another source tree of this project (e.g. `git archive COMMIT | tar -x -C DIR`):
 #                      the bench step also builds its moe_bench and runs it with the same arguments right
-#                      after this tree's, adding its rows to the results as BACKEND@baseline, so that two
-#                      versions are compared on one machine (runs on different machines differ by 10-20%)
+#                      after this tree's, adding its rows to the results as BACKEND@NAME (NAME: DIR's
+#                      last component without a leading dot: .baseline gives BACKEND@baseline), so that
+#                      versions are compared on one machine (runs on different machines differ by 10-20%).
+#                      May be given several times (a bisection in one call: ~120 s of build each)
 #   --sanitizer-args   extra arguments passed to each GPU test under compute-sanitizer (e.g. a doctest filter;
 #                      split at spaces, so write a space inside a test name as ?: -tc=*own?combine*)
 #   --targets LIST     build only these Ninja targets, comma-separated (default: everything), e.g.
@@ -88,7 +90,7 @@ cuda_args=""
 jobs=$(nproc)
 budget=570
 bench_args=""
-baseline=""
+baselines=()
 sanitizer_args=""
 sanitize_seconds=240
 targets=""
@@ -108,7 +110,7 @@ while [[ $# -gt 0 ]]; do
     --jobs) jobs=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
     --bench-args) bench_args=$2; shift 2 ;;
-    --baseline) baseline=$(cd "$2" && pwd) || exit 2; shift 2 ;;
+    --baseline) dir=$(cd "$2" && pwd) || exit 2; baselines+=("$dir"); shift 2 ;;
     --sanitizer-args) sanitizer_args=$2; shift 2 ;;
     --sanitize-seconds) sanitize_seconds=$2; shift 2 ;;
     --targets) targets=$2; shift 2 ;;
@@ -125,6 +127,18 @@ while [[ $# -gt 0 ]]; do
 done
 [[ "$sanitize_seconds" =~ ^[0-9]+$ ]] || { echo "device_run: --sanitize-seconds takes whole seconds" >&2; exit 2; }
 [[ "$test_seconds" =~ ^[0-9]+$ ]] || { echo "device_run: --test-seconds takes whole seconds" >&2; exit 2; }
+# Each baseline's rows, build folder and log are named after its folder: one name each.
+baseline_names=()
+for dir in "${baselines[@]}"; do
+  name=$(basename "$dir")
+  name=${name#.}
+  [[ "$name" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]] ||
+    { echo "device_run: --baseline $dir: its folder's name must be letters, digits, '.', '_' or '-'" >&2; exit 2; }
+  for seen in "${baseline_names[@]}"; do
+    [[ "$seen" != "$name" ]] || { echo "device_run: two --baseline folders are named $name" >&2; exit 2; }
+  done
+  baseline_names+=("$name")
+done
 IFS=, read -r -a target_list <<< "$targets"
 IFS=, read -r -a test_list <<< "$tests"
 mkdir -p "$out_dir/logs"
@@ -350,41 +364,44 @@ if has_step bench; then
     else record bench failed "exit $rc, see logs/bench.log"; fi
     note "bench: $(tail -n1 "$status_file" | cut -f2)"
   fi
-  if [[ -n "$baseline" ]]; then
+  for i in "${!baselines[@]}"; do
+    baseline=${baselines[$i]}
+    name=${baseline_names[$i]}
+    step=bench-$name
     t=$(step_timeout 420 10)
     if [[ -z "${setup_args+x}" ]]; then
-      record bench-baseline skipped "needs the build step (its Meson settings)"
+      record "$step" skipped "needs the build step (its Meson settings)"
     elif [[ ! -s "$results" ]]; then
-      record bench-baseline skipped "no benchmark results to add to"
-    elif ! out_of_time bench-baseline "$t"; then
-      note "bench-baseline: build and run $baseline's moe_bench (up to ${t}s)"
-      base_build=$build-baseline
+      record "$step" skipped "no benchmark results to add to"
+    elif ! out_of_time "$step" "$t"; then
+      note "$step: build and run $baseline's moe_bench (up to ${t}s)"
+      base_build=$build-$name
       ln -sfn "$deps" "$baseline/.deps"  # its Meson settings name .deps/ inside the source tree
-      base_results=$out_dir/baseline.jsonl
+      base_results=$out_dir/$name.jsonl
       # shellcheck disable=SC2086
       {
         { [[ -f "$base_build/build.ninja" ]] || "${meson[@]}" setup "$base_build" "$baseline" "${setup_args[@]}"; } &&
           timeout "$t" ninja -C "$base_build" -j "$jobs" bench/moe_bench &&
-          timeout "$(step_timeout 300 10)" "$base_build/bench/moe_bench" --out "$base_results" --commit baseline \
+          timeout "$(step_timeout 300 10)" "$base_build/bench/moe_bench" --out "$base_results" --commit "$name" \
             $bench_args
-      } > "$logs/bench-baseline.log" 2>&1
+      } > "$logs/$step.log" 2>&1
       rc=$?
       if [[ $rc -eq 0 ]]; then
         # The baseline's cells join the results under their own backend names.
-        python3 - "$base_results" "$results" <<'PY'
+        python3 - "$base_results" "$results" "$name" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()][1:]
 with open(sys.argv[2], "a") as out:
     for r in rows:
         if "backend" in r:
-            r["backend"] += "@baseline"
+            r["backend"] += "@" + sys.argv[3]
             out.write(json.dumps(r) + "\n")
 PY
-        record bench-baseline ok "$(grep -c '"backend"' "$base_results") cells"
-      else record bench-baseline failed "exit $rc, see logs/bench-baseline.log"; fi
-      note "bench-baseline: $(tail -n1 "$status_file" | cut -f2)"
+        record "$step" ok "$(grep -c '"backend"' "$base_results") cells"
+      else record "$step" failed "exit $rc, see logs/$step.log"; fi
+      note "$step: $(tail -n1 "$status_file" | cut -f2)"
     fi
-  fi
+  done
 fi
 
 if has_step torch; then
