@@ -375,9 +375,9 @@ if has_step bench; then
       record "$step" skipped "no benchmark results to add to"
     elif ! out_of_time "$step" "$t"; then
       note "$step: build and run $baseline's moe_bench (up to ${t}s)"
-      base_build=$build-$name
+      base_build=$build-base-$name
       ln -sfn "$deps" "$baseline/.deps"  # its Meson settings name .deps/ inside the source tree
-      base_results=$out_dir/$name.jsonl
+      base_results=$out_dir/bench-$name.jsonl
       # shellcheck disable=SC2086
       {
         { [[ -f "$base_build/build.ninja" ]] || "${meson[@]}" setup "$base_build" "$baseline" "${setup_args[@]}"; } &&
