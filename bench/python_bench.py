@@ -45,20 +45,23 @@ BINDING_TARGET_US = 3.0  # the package's own host cost of a run call at M = 1
 BATCH = 20  # calls per synchronized batch in the host timing: never enough to fill the launch queue
 
 
+def batch_us(call):
+    """Host microseconds per call of BATCH calls, the device drained after them (so that the
+    next batch starts with it idle and a full launch queue never blocks the host)."""
+    start = time.perf_counter()
+    for _ in range(BATCH):
+        call()
+    us = (time.perf_counter() - start) / BATCH * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
 def host_us_per_call(call, iters):
-    """Median host microseconds of one call, over batches of BATCH calls with the device idle
-    at the start of each (so that a full launch queue never blocks the host)."""
+    """Median host microseconds of one call, over batches of BATCH calls (batch_us)."""
     for _ in range(min(100, iters)):
         call()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(max(1, iters // BATCH)):
-        start = time.perf_counter()
-        for _ in range(BATCH):
-            call()
-        samples.append((time.perf_counter() - start) / BATCH * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+    return statistics.median(batch_us(call) for _ in range(max(1, iters // BATCH)))
 
 
 def paired_us_per_call(call, runner, args, iters):
@@ -72,18 +75,12 @@ def paired_us_per_call(call, runner, args, iters):
         call()
     core.time_library(min(100, iters), *args)
     torch.cuda.synchronize()
-    host, library, binding = [], [], []
+    host, library = [], []
     for _ in range(max(1, iters // BATCH)):
-        start = time.perf_counter()
-        for _ in range(BATCH):
-            call()
-        h = (time.perf_counter() - start) / BATCH * 1e6
+        host.append(batch_us(call))
+        library.append(core.time_library(BATCH, *args) / BATCH * 1e6)
         torch.cuda.synchronize()
-        lib = core.time_library(BATCH, *args) / BATCH * 1e6
-        torch.cuda.synchronize()
-        host.append(h)
-        library.append(lib)
-        binding.append(h - lib)
+    binding = [h - lib for h, lib in zip(host, library)]
     return statistics.median(host), statistics.median(library), statistics.median(binding)
 
 
