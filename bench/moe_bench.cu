@@ -24,8 +24,9 @@
 // cuda_fused_fetch256 (always 256-byte), which measure one choice each; and of cuda_fused_fp8,
 // on request: cuda_fused_fp8_wgmma (single wgmma CTAs at every M: neither the stream GEMMs nor
 // pairs), cuda_fused_fp8_single (never pairs of CTAs), cuda_fused_fp8_pairs (pairs of CTAs
-// wherever the stream GEMMs are not taken) and cuda_fused_fp8_stream (the stream GEMMs at every
-// M; slow at prefill: ask for decode cells).
+// wherever the stream GEMMs are not taken), cuda_fused_fp8_stream (the stream GEMMs at every
+// M; slow at prefill: ask for decode cells), cuda_fused_fp8_m64 (64-row CTAs alone wherever the
+// stream GEMMs are not taken) and cuda_fused_fp8_m128 (128-row CTAs there).
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -126,8 +127,9 @@ struct backend_variant {
   // cuda_fused with the stream GEMMs: their use of L2 (unset: the policy's)
   std::optional<mr::gpu::stream_l2_use> stream_l2 = std::nullopt;
   bool batch_invariant = false;
-  // cuda_fused_fp8: the stream GEMMs, and pairs of wgmma CTAs, forced on or off (unset: its plan's rules)
-  std::optional<bool> fp8_stream = std::nullopt, fp8_pairs = std::nullopt;
+  // cuda_fused_fp8: the stream GEMMs, pairs of wgmma CTAs and 128-row wgmma CTAs, forced on or
+  // off (unset: its plan's rules)
+  std::optional<bool> fp8_stream = std::nullopt, fp8_pairs = std::nullopt, fp8_tall = std::nullopt;
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -162,6 +164,10 @@ constexpr backend_variant backend_variants[] = {
      std::nullopt, true, std::nullopt, false, std::nullopt, true},
     {"cuda_fused_fp8_stream", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0,
      std::nullopt, true, std::nullopt, false, true, std::nullopt},
+    {"cuda_fused_fp8_m64", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, std::nullopt, false, std::nullopt, false, false},
+    {"cuda_fused_fp8_m128", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
+     true, std::nullopt, false, std::nullopt, false, true},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -659,6 +665,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
         } else if constexpr (requires { core.set_stream_gemms(variant->fp8_stream); }) {
           core.set_stream_gemms(variant->fp8_stream);
           core.set_pairs(variant->fp8_pairs);
+          core.set_tall(variant->fp8_tall);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

@@ -320,7 +320,7 @@ g::fp8_plan fp8_plan_of(moe_config_params p, std::int64_t m, g::device_target de
 
 }  // namespace
 
-TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pairs of CTAs above 2048 rows per expert, K split where items come in few waves") {
+TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, 128-row CTAs above 64 rows per expert, pairs of CTAs above 2048, K split where items come in few waves") {
   for (const moe_config_params& c : {mixtral(), qwen3(), deepseek()})
     for (std::int64_t m : {0, 1, 7, 64, 512, 4096, 16384}) {
       CAPTURE(c.num_experts);
@@ -328,13 +328,19 @@ TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pai
       const g::fp8_plan p = fp8_plan_of(c, m);
       // Stream where the active experts average at most 4 rows, as cuda_fused decides, and the
       // wgmma GEMM1 (128 act columns per item) would have items for under half the SMs; pairs
-      // of CTAs on 128-row tiles where the experts average more than 2048 rows.
+      // of CTAs on 128-row tiles where the experts average more than 2048 rows, 128-row CTAs
+      // where they average more than 64.
       const std::int64_t slots = m * c.top_k, active = std::min<std::int64_t>(slots, c.num_experts);
       const bool pair = active > 0 && slots > 2048 * active;
+      const bool tall = !pair && active > 0 && slots > 64 * active;
       const std::int64_t items = active * ((c.intermediate_size + 127) / 128);
       CHECK(p.stream == (slots > 0 && slots <= 4 * active && 2 * items < h200.sm_count));
-      CHECK(p.schedule_block_m == (p.stream ? 8 : pair ? 128 : 64));
+      CHECK(p.schedule_block_m == (p.stream ? 8 : pair || tall ? 128 : 64));
       CHECK(p.cluster_m == (pair ? 2 : 1));
+      if (!p.stream)
+        CHECK(p.tile == (pair ? g::fp8_tile::m64x2 : tall ? g::fp8_tile::m128 : g::fp8_tile::m64));
+      CHECK(p.describe().find(p.stream ? "stream e4m3" : "wgmma e4m3 " + std::string(g::fp8_tile_name(p.tile))) !=
+            std::string::npos);
       CHECK(p.schedule_in_gemms == (p.stream && slots <= 64));
       check_fp8_layout(p, c);
       CHECK(p.describe().find("cuda_fused_fp8 M=" + std::to_string(m)) == 0);
@@ -361,7 +367,7 @@ TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pai
   CHECK_FALSE(x64.combine_kernel);
 }
 
-TEST_CASE("fp8 plan: the stream GEMMs and pairs forced on or off (for measuring one against the other)") {
+TEST_CASE("fp8 plan: the stream GEMMs, pairs and 128-row CTAs forced on or off (for measuring one against the other)") {
   const auto forced = [](const moe_config_params& c, std::int64_t m, g::fp8_settings s) {
     const g::fp8_plan p = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, s);
     check_fp8_layout(p, c);
@@ -381,9 +387,23 @@ TEST_CASE("fp8 plan: the stream GEMMs and pairs forced on or off (for measuring 
   CHECK_FALSE(forced(mixtral(), 0, {.stream = true, .pairs = std::nullopt}).stream);  // nothing to run
   // Pairs off where the rule pairs, on where it would not.
   CHECK(fp8_plan_of(mixtral(), 16384).cluster_m == 2);  // 4096 rows per expert
-  const g::fp8_plan single = forced(mixtral(), 16384, {.stream = std::nullopt, .pairs = false});
+  const g::fp8_plan single = forced(mixtral(), 16384, {.stream = std::nullopt, .pairs = false, .tall = false});
   CHECK(single.cluster_m == 1);
   CHECK(single.schedule_block_m == 64);
+  CHECK(single.tile == g::fp8_tile::m64);
+  // Without pairs, 4096 rows per expert take 128-row CTAs by the rule.
+  const g::fp8_plan tall = forced(mixtral(), 16384, {.stream = std::nullopt, .pairs = false});
+  CHECK(tall.tile == g::fp8_tile::m128);
+  CHECK(tall.cluster_m == 1);
+  CHECK(tall.schedule_block_m == 128);
+  // 128-row CTAs off where the rule takes them (Qwen3-30B-A3B at 4096 tokens: 256 rows per
+  // expert), on where it would not (Mixtral-8x7B at 64 tokens: 16).
+  CHECK(fp8_plan_of(qwen3(), 4096).tile == g::fp8_tile::m128);
+  CHECK(forced(qwen3(), 4096, {.tall = false}).tile == g::fp8_tile::m64);
+  const g::fp8_plan forced_tall = forced(mixtral(), 64, {.tall = true});
+  CHECK(forced_tall.tile == g::fp8_tile::m128);
+  CHECK(forced_tall.schedule_block_m == 128);
+  CHECK(forced(mixtral(), 64, {.pairs = true, .tall = true}).tile == g::fp8_tile::m64x2);  // pairs first
   const g::fp8_plan paired = forced(mixtral(), 64, {.stream = std::nullopt, .pairs = true});
   CHECK(paired.cluster_m == 2);
   CHECK(paired.schedule_block_m == 128);
@@ -394,6 +414,7 @@ TEST_CASE("fp8 plan: the stream GEMMs and pairs forced on or off (for measuring 
   const g::fp8_plan kept = forced(inv, 1, {.stream = true, .pairs = true});
   CHECK_FALSE(kept.stream);
   CHECK(kept.cluster_m == 1);
+  CHECK(forced(inv, 4096, {.tall = true}).tile == g::fp8_tile::m64);
 }
 
 TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
@@ -419,8 +440,9 @@ TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
     CHECK(p.down_k_splits == 1);
     CHECK(p.down == g::down_store::rows);
     CHECK(p.combine_kernel);
-    CHECK(p.schedule_block_m == 64);  // single CTAs at every M
+    CHECK(p.schedule_block_m == 64);  // single 64-row CTAs at every M
     CHECK(p.cluster_m == 1);
+    CHECK(p.tile == g::fp8_tile::m64);
   }
   // Where the default pairs CTAs, batch-invariant runs keep single ones.
   CHECK(fp8_plan_of(mixtral(), 16384).schedule_block_m == 128);
@@ -564,11 +586,12 @@ TEST_CASE("grid: every fp8 plan is laid out and keeps one K order where batch-in
       check_fp8_layout(p, c);
       CHECK(p.down_k_splits >= 1);
       CHECK(p.down_k_splits <= std::max(1, s.i / 128 / 4));
-      CHECK(p.schedule_block_m == (p.stream ? 8 : 64 * p.cluster_m));
+      CHECK(p.schedule_block_m == (p.stream ? 8 : p.tile == g::fp8_tile::m64 ? 64 : 128));
+      CHECK(p.cluster_m == (!p.stream && p.tile == g::fp8_tile::m64x2 ? 2 : 1));
       if (p.stream || m == 0) CHECK(p.down_k_splits == 1);
       if (mode == grid_mode::batch_invariant) {
         CHECK_FALSE(p.stream);
-        CHECK(p.cluster_m == 1);
+        CHECK(p.tile == g::fp8_tile::m64);
         CHECK(p.down_k_splits == 1);
         if (m > 0) CHECK(p.down == g::down_store::rows);
       }

@@ -110,7 +110,7 @@ struct fp8_problem {
 using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_fp8_policy>;
 
 // Device copies of an fp8 problem and a runner with exactly the workspace it asks for; `forced`
-// forces the stream GEMMs or the pairs of CTAs on or off (unset: the plan's rules).
+// forces the stream GEMMs, the pairs of CTAs or the 128-row CTAs on or off (unset: the plan's rules).
 struct fp8_on_device {
   mr::test::device_tensor x, xq, xs, w13, w2, s13, s2, weights, ids;
   mr::test::device_buffer out_buf, ws_buf;
@@ -126,6 +126,7 @@ struct fp8_on_device {
       if constexpr (requires { core.set_stream_gemms(forced.stream); }) {
         core.set_stream_gemms(forced.stream);
         core.set_pairs(forced.pairs);
+        core.set_tall(forced.tall);
       }
     });
     if (p.prequantized) {
@@ -196,6 +197,8 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
   if (forced.stream && s.m > 0)
     CHECK(g.runner.describe(s.m).find(*forced.stream ? "stream e4m3" : "wgmma e4m3") != std::string::npos);
   if (forced.pairs && *forced.pairs && s.m > 0) CHECK(g.runner.describe(s.m).find("wgmma e4m3 m64x2") != std::string::npos);
+  if (forced.tall && *forced.tall && !forced.pairs && s.m > 0)
+    CHECK(g.runner.describe(s.m).find("wgmma e4m3 m128") != std::string::npos);
   const host_tensor got = g.run_once(p);
   const double err = mr::test::rel_error(got.view, p.ref.view);
   CHECK_MESSAGE(err <= fp8_bound, "rel err ", err, " bound ", fp8_bound);
@@ -267,6 +270,39 @@ TEST_CASE("fp8 against the reference's fp8 path") {
                                                       .top_k = 1}),
                                  by_rule.m, mr::gpu::device_target_of(mr::gpu::current_device_facts()))
               .cluster_m == 2);
+    worst = std::max(worst, check_case(by_rule, bf16, {}, rng));
+  }
+  SUBCASE("128-row CTAs") {
+    // Forced on at 12-150 rows per expert, where experts' last tiles are partly or wholly past
+    // their rows (the plan takes them above 64 rows), and once by the rule.
+    const shape sh{600, 8, 2, 256, 256};
+    const mr::gpu::fp8_settings tall{.stream = std::nullopt, .pairs = std::nullopt, .tall = true};
+    const auto tall_case = [&](const shape& c, mr::dtype t, const options& o, bool preq = false,
+                               mr::fp8_weight_scaling sc = mr::fp8_weight_scaling::block128) {
+      worst = std::max(worst, check_case(c, t, o, rng, preq, sc, tall));
+    };
+    tall_case(sh, bf16, {});
+    tall_case({50, 8, 2, 256, 256}, bf16, {});                // 12 rows per expert: the second warpgroup idles
+    tall_case(sh, bf16, {.ids = ids_kind::skewed});          // experts with 1-64 rows beside full ones
+    tall_case(sh, bf16, {.ids = ids_kind::one_expert});      // one expert's many tiles
+    tall_case(sh, bf16, {.interleaved = true});
+    tall_case({600, 8, 2, 384, 384}, bf16, {.gated = false});  // H, I % 256 = 128: a block past n
+    tall_case({600, 8, 2, 256, 512}, bf16, {.act = mr::activation_kind::gelu, .gated = false});
+    tall_case({600, 8, 2, 384, 256}, bf16, {.act = mr::activation_kind::swiglu_clamped});
+    tall_case(sh, bf16, {.ids = ids_kind::random_filtered, .no_combine = true});
+    tall_case(sh, bf16, {.deterministic = true});
+    tall_case({600, 8, 1, 256, 256}, bf16, {.weight_on_input = true});
+    tall_case(sh, mr::dtype::f16, {.inplace = true});
+    tall_case(sh, bf16, {}, true);
+    tall_case(sh, bf16, {}, false, mr::fp8_weight_scaling::per_tensor);
+    tall_case(sh, bf16, {}, false, mr::fp8_weight_scaling::per_channel);
+    tall_case({600, 8, 2, 384, 384}, bf16, {.gated = false}, false, mr::fp8_weight_scaling::per_channel);
+    tall_case({700, 8, 2, 1024, 1536}, bf16, {});  // per-token bound applies
+    const shape by_rule{1200, 8, 1, 256, 256};     // 150 rows per expert
+    CHECK(mr::gpu::make_fp8_plan(mr::MoeRunnerConfig({.num_experts = 8, .hidden_size = 256, .intermediate_size = 256,
+                                                      .top_k = 1}),
+                                 by_rule.m, mr::gpu::device_target_of(mr::gpu::current_device_facts()))
+              .tile == mr::gpu::fp8_tile::m128);
     worst = std::max(worst, check_case(by_rule, bf16, {}, rng));
   }
   SUBCASE("wgmma with GEMM2's K split, both combines") {

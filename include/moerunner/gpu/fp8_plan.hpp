@@ -17,11 +17,16 @@
 
 namespace moerunner::gpu {
 
-// The fp8 GEMMs' tile (kernels::wgmma_fp8_shape reads these): 64 rows, 256 B rows (GEMM2: 256
-// output columns), K tiles of one scale block; alone, or in pairs of CTAs on a 128-row schedule
-// tile that share each weight tile by TMA multicast.
+// The fp8 GEMMs' tiles (kernels::wgmma_fp8_shape reads these): 64 rows, 256 B rows (GEMM2: 256
+// output columns), K tiles of one scale block; alone, in pairs of CTAs on a 128-row schedule
+// tile that share each weight tile by TMA multicast, or 128 rows in one CTA (each consumer
+// warpgroup on 64 of them and all 256 B rows).
 inline constexpr int fp8_group_size = fp8_block_quant_info::group;
 inline constexpr int fp8_block_m = 64, fp8_down_cols = 256, fp8_block_k = fp8_group_size;
+enum class fp8_tile : std::uint8_t { m64, m64x2, m128 };
+inline constexpr const char* fp8_tile_name(fp8_tile t) {
+  return t == fp8_tile::m64 ? "m64" : t == fp8_tile::m64x2 ? "m64x2" : "m128";
+}
 // Pairs where the active experts average more than 2048 rows. A pair halves the weight tiles'
 // L2 traffic (24 KB per 2 M MAC against 40) but its CTAs wait on each other's stages, and the
 // fp8 prefill cells are not L2-bound: on an H200 pairs measured 2-11% slower than single CTAs
@@ -29,6 +34,9 @@ inline constexpr int fp8_block_m = 64, fp8_down_cols = 256, fp8_block_k = fp8_gr
 // (Mixtral-8x7B, 16384 tokens). bench/NOTES.md, round 13.
 inline constexpr int fp8_large_block_m = 128;
 inline constexpr std::int64_t fp8_large_tile_min_rows = 2048;
+// 128-row CTAs where the active experts average more than 64 rows (as cuda_fused's 128-row
+// tiles): the weight tile of a K step serves twice the rows of a 64-row CTA's.
+inline constexpr std::int64_t fp8_tall_tile_min_rows = 64;
 
 // Workspace pieces as byte offsets from the 256-byte aligned start; total includes the slack.
 struct fp8_workspace {
@@ -49,6 +57,7 @@ struct fp8_workspace {
 struct fp8_settings {
   std::optional<bool> stream;  // the stream GEMMs (any M > 0), or never
   std::optional<bool> pairs;   // wgmma CTAs in pairs on 128-row tiles, or never
+  std::optional<bool> tall;    // 128-row wgmma CTAs where pairs are not taken, or never
 };
 
 struct fp8_plan {
@@ -59,7 +68,8 @@ struct fp8_plan {
   // quantizes, the kernels chained by programmatic launches; else the wgmma GEMMs.
   bool stream = false;
   bool schedule_in_gemms = false;      // stream: every CTA orders the rows itself (no plan kernel)
-  int schedule_block_m = fp8_block_m;  // stream: 8; wgmma: 64, or 128 for a pair of CTAs
+  fp8_tile tile = fp8_tile::m64;       // wgmma: the CTA tile
+  int schedule_block_m = fp8_block_m;  // stream: 8; wgmma: 64, or 128 for a pair of CTAs or a 128-row CTA
   int cluster_m = 1;                   // wgmma CTAs on one schedule tile
   int down_k_splits = 1;
   down_store down = down_store::accumulate;
@@ -70,7 +80,7 @@ struct fp8_plan {
   std::string describe() const {
     std::string s = "cuda_fused_fp8 M=" + std::to_string(num_tokens) + ": " +
                     (stream ? std::string("stream e4m3")
-                            : "wgmma e4m3 m64" + (cluster_m > 1 ? "x" + std::to_string(cluster_m) : std::string())) +
+                            : "wgmma e4m3 " + std::string(fp8_tile_name(tile))) +
                     " (schedule tiles of " + std::to_string(schedule_block_m) + " rows" +
                     (schedule_in_gemms ? ", built in the GEMMs" : "") + "), GEMM2 " + std::string(down_store_name(down));
     if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
@@ -111,8 +121,13 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
     p.schedule_block_m = stream_gemm_fp8_policy::tuning.schedule_block_m();
   } else if (!cfg.batch_invariant() && active > 0 &&
              settings.pairs.value_or(slots > fp8_large_tile_min_rows * active)) {
+    p.tile = fp8_tile::m64x2;
     p.schedule_block_m = fp8_large_block_m;
     p.cluster_m = fp8_large_block_m / fp8_block_m;
+  } else if (!cfg.batch_invariant() && active > 0 &&
+             settings.tall.value_or(slots > fp8_tall_tile_min_rows * active)) {
+    p.tile = fp8_tile::m128;
+    p.schedule_block_m = fp8_large_block_m;
   }
   const down_store store =
       plan_detail::store_mode(cfg, p.stream ? gemm_family::stream : gemm_family::wgmma, slots);

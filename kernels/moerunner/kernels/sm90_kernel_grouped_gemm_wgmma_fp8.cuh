@@ -3,11 +3,16 @@
 // persistent structure, work order, M-tile schedule and GEMM2 epilogue as the 16-bit wgmma
 // kernels (sm90_kernel_grouped_gemm_wgmma.cuh); GEMM1's epilogue quantizes act for GEMM2.
 //
-// Tile: 64 rows x 256 B rows x 128 K (one scale block of K per stage, 128 bytes: one 128-byte
-// swizzle row), five stages. Each of the two consumer warpgroups takes all 64 rows and 128 of
-// the B rows with one m64n128k32 per 32 K: for gate_up its 64 gate rows and their 64 up rows
-// (loaded as four 64-row TMA boxes: gate, up of warpgroup 0, then of warpgroup 1), so the CTA
-// covers 128 act columns, one quantization group; otherwise 128 consecutive rows.
+// Tile: 64 or 128 rows x 256 B rows x 128 K (one scale block of K per stage, 128 bytes: one
+// 128-byte swizzle row). The 256 B rows are two blocks of 128: for gate_up block b holds the 64
+// gate rows of act columns n0 + 64b.. and their 64 up rows (four 64-row TMA boxes: gate, up of
+// block 0, then of block 1), so the CTA covers 128 act columns, one quantization group;
+// otherwise 128 consecutive rows each. A block's product is one m64n128k32 per 32 K.
+//   64 rows (five stages): consumer warpgroup g takes all 64 rows and B block g.
+//   128 rows (four stages, BlockM 128): warpgroup g takes rows [64g, 64g + 64) and both blocks
+//     in turn, one block's sum in flight at a time (64 registers besides the 128 accumulators;
+//     consumers at 232 registers). Per K tile a CTA draws 49 KB for 8.4 M multiply-adds against
+//     41 KB for 4.2 M: the weight tile serves twice the rows.
 //
 // Pairs (Cluster 2, where experts see many rows): two CTAs on one 128-row schedule tile, CTA rank
 // r on its rows [64 r, 64 r + 64); rank r loads half the B boxes and multicasts them into both
@@ -28,9 +33,10 @@
 // (cp.async.mbarrier.arrive); the consumers read the scales from shared memory.
 //
 // GEMM1's epilogue: act = activation(gate, up) in f32 (times the router weight where applied on
-// the input), each row's amax over the CTA's 128 columns (a quad shuffle, then the two
-// warpgroups' halves through shared memory), and e4m3 act + its scale, by the rule of
-// kernel_quantize_fp8.cuh. GEMM2's: the 16-bit kernels' (sm90_wgmma_epilogue.cuh).
+// the input), each row's amax over the CTA's 128 columns (a quad shuffle, then across the two
+// blocks: in the thread's registers with 128-row tiles, else the two warpgroups' halves through
+// shared memory), and e4m3 act + its scale, by the rule of kernel_quantize_fp8.cuh. GEMM2's:
+// the 16-bit kernels' (sm90_wgmma_epilogue.cuh).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -55,12 +61,15 @@
 namespace moerunner::kernels {
 
 // The tile's constants (sizes from the run plan's), shared with the launch code.
+template <int BlockM>
 struct wgmma_fp8_shape {
-  static constexpr int block_m = gpu::fp8_block_m, block_n = gpu::fp8_down_cols, block_k = gpu::fp8_block_k;
-  static constexpr int stages = 5, consumers = 2;
-  static_assert(block_m == 64 && block_n == 256 && block_k == 128, "the layout below is written for 64 x 256 x 128");
+  static constexpr int block_m = BlockM, block_n = gpu::fp8_down_cols, block_k = gpu::fp8_block_k;
+  static constexpr int stages = BlockM == gpu::fp8_block_m ? 5 : 4, consumers = 2;
+  static_assert((block_m == gpu::fp8_block_m || block_m == gpu::fp8_large_block_m) && block_n == 256 &&
+                    block_k == 128,
+                "the layout below is written for 64 or 128 x 256 x 128");
   static constexpr int a_bytes = block_m * block_k, b_bytes = block_n * block_k;
-  static constexpr int scale_bytes = 1024;  // A scales (64 floats), B scales (4), padding to 1024
+  static constexpr int scale_bytes = 1024;  // A scales (64 or 128 floats), B scales (4), padding to 1024
   static constexpr int stage_bytes = a_bytes + b_bytes + scale_bytes;
   static constexpr int smem_bytes = stages * stage_bytes + 1024;  // + alignment slack
   static constexpr int threads = 128 * (1 + consumers);
@@ -74,10 +83,16 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-template <class T, moe_gemm_kind Kind, int Cluster>
-struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
+template <class T, moe_gemm_kind Kind, int Cluster, int BlockM = gpu::fp8_block_m>
+struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
+  using shape = wgmma_fp8_shape<BlockM>;
+  using shape::a_bytes, shape::b_bytes, shape::block_k, shape::block_m, shape::block_n, shape::consumers,
+      shape::scale_bytes, shape::stage_bytes, shape::stages;
   static_assert(Cluster == 1 || Cluster == 2, "CTAs run alone or in pairs along M");
+  static constexpr bool tall = BlockM == gpu::fp8_large_block_m;  // warpgroups on rows of their own
+  static_assert(!tall || Cluster == 1, "128-row CTAs run alone");
   static constexpr int bm = block_m, bn = block_n, bk = block_k, cluster = Cluster;
+  static constexpr int blocks = tall ? 2 : 1;  // 128-row B blocks per warpgroup
   static constexpr int schedule_block_m = block_m * Cluster;
   static constexpr int halves = Kind == moe_gemm_kind::gate_up ? 2 : 1;
   static constexpr int out_cols = bn / halves;        // output columns per CTA: 128 gated, else 256
@@ -88,11 +103,14 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
   static constexpr int producer_threads = 128, consumer_warps = 4 * consumers;
   static constexpr int chunks_per_row = bk / 16;                           // 16-byte chunks: 8
   static constexpr int rows_per_pass = producer_threads / chunks_per_row;  // 16
-  static constexpr int a_passes = bm / rows_per_pass;                      // 4
+  static constexpr int a_passes = bm / rows_per_pass;                      // 4 or 8
   static constexpr int k_steps = bk / 32;                                  // wgmma per K tile
-  static constexpr int producer_regs = 56, consumer_regs = 216;
-  static_assert(producer_threads * producer_regs + consumers * 128 * consumer_regs <= 65536,
-                "the register split must fit the SM's register file");
+  // 128-row tiles: 128 accumulators and a block's 64-register sum per consumer thread.
+  static constexpr int producer_regs = tall ? 40 : 56, consumer_regs = tall ? 232 : 216;
+  // setmaxnreg moves registers within what the CTA got at launch: 168 per thread for 384
+  // threads (launch bounds of one CTA per SM).
+  static_assert(producer_threads * producer_regs + consumers * 128 * consumer_regs <= 168 * shape::threads,
+                "the register split must fit the CTA's registers");
   static_assert(b_scale_offset + b_scales * 4 <= a_bytes + b_bytes + scale_bytes, "the scales fit their area");
 
   struct barriers {
@@ -177,6 +195,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
         const int kcol = kt * bk + ld_chunk * 16;
 #pragma unroll
         for (int i = 0; i < a_passes; ++i) {
+          // 128-row tiles: the row's addresses formed anew per K tile (a few integer operations)
+          // rather than held across the loop, 64 bits each, in the producer's 40 registers.
+          if constexpr (tall) asm volatile("" : "+r"(a_src_row[i]));
           // Rows past the tile keep whatever the stage held: their results are never stored, and
           // a wgmma row reads only its own A row (and its own scale).
           if (a_src_row[i] < 0) continue;
@@ -208,143 +229,204 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
     const std::int64_t work = static_cast<std::int64_t>(tiles) * g.n_tiles * g.k_splits;
     const std::uint32_t ring_addr = smem_address(ring);
     const cta_place me = cluster_place<Cluster>();
+    // The warpgroup's rows of the tile, and its first B block (the other follows with tall tiles).
+    const int row_base = tall ? 64 * group : 0, first_block = tall ? 0 : group;
     std::uint32_t it = 0;
     int exchange = 0;  // which half of amax_exchange this item uses (see the gate_up epilogue)
-    float acc[64], part[64];
+    float acc[64 * blocks], part[64];
     for (std::int64_t w = me.first; w < work; w += me.stride) {
       const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = cluster_cta_rows<Cluster, bm>(g.tiles[item.m_tile], me.rank);
       const int rows = tile.row_end - tile.row_begin;
-      // A CTA of a pair with no rows of the tile keeps the protocol with idle consumers: the
-      // peer needs its half of the weights and its releases.
-      const bool active = rows > 0;
+      // A warpgroup without rows of the tile (a CTA of a pair, or the second of a 128-row tile)
+      // keeps the protocol with idle tensor work: the producers need its releases.
+      const bool active = row_base < rows;
       int kt_begin = 0, kt_end = 0;
       split_k_range(k_tiles, item.split, g.k_splits, kt_begin, kt_end);
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < 64 * blocks; ++i) acc[i] = 0.0f;
       for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
         const int stage = static_cast<int>(it % stages);
         mbarrier_wait(&bars.full[stage], (it / stages) & 1);
         // The A rows and scales came by cp.async (generic proxy); wgmma reads through the async proxy.
         cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
         const std::uint32_t sa = ring_addr + stage * stage_bytes;
-        const std::uint64_t da = sw128_kmajor_desc(sa);
-        const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + group * 128 * bk);
-        if (active) {
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < k_steps; ++kk) {
-            const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
-            wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
-          }
-          wgmma_commit();
-          wgmma_wait<0>();
-        }
-        wgmma_fence_operands(part);
+        const std::uint64_t da = sw128_kmajor_desc(sa + row_base * bk);
         const unsigned char* stage_ptr = ring + stage * stage_bytes;
         const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
         const float* b_scale_s = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
-        const int r0 = 16 * warp + lane / 4;
+        const int r0 = row_base + 16 * warp + lane / 4;
         const float sa0 = a_scales[r0], sa1 = a_scales[r0 + 8];
-        const float sb0 = per_channel ? 1.0f : b_scale_s[group * halves];
-        const float sb1 = per_channel ? 1.0f : b_scale_s[group * halves + halves - 1];
-        __syncwarp();
-        // The stage is free again for this CTA's producer and, in a pair, for the peer's, which
-        // multicasts into it.
-        if (lane == 0) {
-          cuda::ptx::mbarrier_arrive(&bars.empty[stage]);
-          if constexpr (Cluster == 2)
-            mbarrier_arrive_cluster(&bars.empty[stage], static_cast<std::uint32_t>(me.rank ^ 1));
-        }
-        if (!active) continue;
-        // Register 4j + 2h + q: row r0 + 8h, column 8j + 2(lane % 4) + q of the warpgroup's 128
-        // B rows (gate_up: j < 8 gate rows, j >= 8 their up rows).
-        const float f[2][2] = {{sa0 * sb0, sa0 * sb1}, {sa1 * sb0, sa1 * sb1}};
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[i]);
+        for (int blk = 0; blk < blocks; ++blk) {
+          const int b = first_block + blk;
+          if (active) {
+            const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + b * 128 * bk);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < k_steps; ++kk) {
+              const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
+              wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+          }
+          wgmma_fence_operands(part);
+          const float sb0 = per_channel ? 1.0f : b_scale_s[b * halves];
+          const float sb1 = per_channel ? 1.0f : b_scale_s[b * halves + halves - 1];
+          if (blk == blocks - 1) {
+            __syncwarp();
+            // The stage is free again for this CTA's producer and, in a pair, for the peer's,
+            // which multicasts into it.
+            if (lane == 0) {
+              cuda::ptx::mbarrier_arrive(&bars.empty[stage]);
+              if constexpr (Cluster == 2)
+                mbarrier_arrive_cluster(&bars.empty[stage], static_cast<std::uint32_t>(me.rank ^ 1));
+            }
+          }
+          if (!active) continue;
+          // Register 4j + 2h + q: row r0 + 8h, column 8j + 2(lane % 4) + q of the block's 128
+          // B rows (gate_up: j < 8 gate rows, j >= 8 their up rows).
+          const float f[2][2] = {{sa0 * sb0, sa0 * sb1}, {sa1 * sb0, sa1 * sb1}};
+#pragma unroll
+          for (int i = 0; i < 64; ++i)
+            acc[64 * blk + i] = fmaf(part[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[64 * blk + i]);
+        }
       }
+      // (64-row tiles: both warpgroups are active or neither, so the gate_up epilogue's barrier
+      // sees both or none.)
       if (!active) continue;
       if constexpr (Kind == moe_gemm_kind::down) {
-        const int col_base = n0 + 128 * group;
         const float* chan = p.b_scale + static_cast<std::int64_t>(tile.expert) * g.b_rows_per_expert;
-        // Per channel, column col's scale (add_blocks asks for columns past n too: no read there).
-        const auto value = [&](int j, int i) {
-          const int col = col_base + 8 * j + 2 * (lane % 4) + (i & 1);
-          return per_channel && col < g.n ? acc[4 * j + i] * chan[col] : acc[4 * j + i];
-        };
-        wgmma_epilogue<T, Kind>::template store<16, false>(g, tile, col_base, item.split, 0, warp, lane, value,
-                                                           [&](int, int) { return 0.0f; });
+#pragma unroll
+        for (int blk = 0; blk < blocks; ++blk) {
+          const int col_base = n0 + 128 * (first_block + blk);
+          // Per channel, column col's scale (add_blocks asks for columns past n too: no read there).
+          const auto value = [&](int j, int i) {
+            const int col = col_base + 8 * j + 2 * (lane % 4) + (i & 1);
+            const float v = acc[64 * blk + 4 * j + i];
+            return per_channel && col < g.n ? v * chan[col] : v;
+          };
+          wgmma_epilogue<T, Kind>::template store<16, false>(g, tile, col_base, item.split, row_base, warp, lane,
+                                                             value, [&](int, int) { return 0.0f; });
+        }
       } else {
-        store_act(p, tile, n0, group, warp, lane, acc, amax_exchange[exchange]);
+        store_act(p, tile, n0, first_block, row_base, warp, lane, acc, amax_exchange[exchange], group);
         exchange ^= 1;
       }
     }
   }
 
-  // GEMM1's epilogue: the warpgroup's act values of rows r0 and r0 + 8, quantized per 128 columns.
-  // gate_up: the CTA's 128 columns are 64 of each warpgroup; their amax meet in `exchange`
-  // (both warpgroups run every item, so the named barrier sees all 256 threads). Alternating
-  // halves of amax_exchange per item keep a warpgroup's next writes off the other's reads:
-  // writing half e again needs the barrier of the item between, which the other passes only
-  // after its reads of half e.
+  // GEMM1's epilogue: the warpgroup's act values of rows row_base + r0 and r0 + 8 over its
+  // blocks, quantized per 128 columns. gate_up: the CTA's 128 columns are 64 of each block; with
+  // 128-row tiles one thread holds both, else each warpgroup one and their amax meet in
+  // `exchange` (both warpgroups run every item, so the named barrier sees all 256 threads).
+  // Alternating halves of amax_exchange per item keep a warpgroup's next writes off the other's
+  // reads: writing half e again needs the barrier of the item between, which the other passes
+  // only after its reads of half e. up_only: each block's 128 columns are a group of their own.
   __device__ __forceinline__ static void store_act(const moe_gemm_fp8_params<T>& p, const gpu::moe_m_tile& tile,
-                                                   int n0, int group, int warp, int lane, const float (&acc)[64],
-                                                   float (&exchange)[consumers][block_m]) {
+                                                   int n0, int first_block, int row_base, int warp, int lane,
+                                                   const float (&acc)[64 * blocks],
+                                                   float (&exchange)[consumers][block_m], int group) {
     const moe_gemm_params<T>& g = p.g;
-    constexpr int cols = halves == 2 ? 64 : 128;  // act columns of this warpgroup
-    const int col_base = halves == 2 ? n0 + 64 * group : n0 + 128 * group;
+    constexpr int cols = halves == 2 ? 64 : 128;  // act columns of one block
     const int rows = tile.row_end - tile.row_begin;
-    if (halves == 1 && col_base >= g.n) return;  // a warpgroup past n (uniform across it)
     const int scales_per_row = g.n / fp8_group;
     // Per channel, the expert's scale of each B row this thread's columns read (gate, then up).
     const bool per_channel = p.b_scaling == fp8_weight_scaling::per_channel;
     const float* chan = p.b_scale + static_cast<std::int64_t>(tile.expert) * g.b_rows_per_expert;
     const auto channel_scale = [&](int half, int col) { return per_channel ? chan[b_row<Kind>(g, half, col)] : 1.0f; };
-    float v[2][cols / 4];
-    float amax[2];
+    // The router weight of the thread's row h (act(W (w x)) = act(w (W x)): it scales the f32
+    // sums instead of x), and act of its column 8j + 2(lane % 4) + q of block blk.
+    const auto row_weight = [&](int h) {
+      const int r = row_base + 16 * warp + lane / 4 + 8 * h;
+      return r < rows && g.input_weights != nullptr ? g.input_weights[g.row_to_slot[tile.row_begin + r]] : 1.0f;
+    };
+    const auto act_at = [&](int blk, int h, int j, int q, float weight) {
+      const int col = n0 + cols * (first_block + blk) + 8 * j + 2 * (lane % 4) + q;
+      const float s = acc[64 * blk + 4 * j + 2 * h + q] * channel_scale(0, col) * weight;
+      if constexpr (halves == 2) {
+        const float up = acc[64 * blk + 4 * (j + 8) + 2 * h + q] * channel_scale(1, col) * weight;
+        return apply_activation(g.act, true, s, up);
+      } else {
+        return apply_activation(g.act, false, s, 0.0f);
+      }
+    };
+    // The values stay in registers (gate_up: 2 x 16 per block), except up_only's on 128-row
+    // tiles (2 x 32 per block beside 128 accumulators), formed twice: for the amax and the store.
+    constexpr bool keep = halves == 2 || !tall;
+    constexpr int kept = keep ? cols / 4 : 1;
+    float v[blocks][2][kept];
+    float amax[blocks][2];
+    const auto block_past_n = [&](int blk) { return halves == 1 && n0 + cols * (first_block + blk) >= g.n; };
+    // Block blk's amax of the thread's two rows over the quad (a block past n: no scales to read there).
+    const auto compute = [&](int blk) {
+      if (block_past_n(blk)) return;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * warp + lane / 4 + 8 * h;
-      const bool valid = r < rows;
-      // act(W (w x)) = act(w (W x)): the router weight scales the f32 sums instead of x.
-      const float scale = valid && g.input_weights != nullptr ? g.input_weights[g.row_to_slot[tile.row_begin + r]]
-                                                              : 1.0f;
-      amax[h] = 0.0f;
+      for (int h = 0; h < 2; ++h) {
+        const float weight = row_weight(h);
+        amax[blk][h] = 0.0f;
 #pragma unroll
-      for (int j = 0; j < cols / 8; ++j)
+        for (int j = 0; j < cols / 8; ++j)
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int col = col_base + 8 * j + 2 * (lane % 4) + q;
-          const float s = acc[4 * j + 2 * h + q] * channel_scale(0, col) * scale;
-          const float a = halves == 2 ? apply_activation(g.act, true, s,
-                                                         acc[4 * (j + 8) + 2 * h + q] * channel_scale(1, col) * scale)
-                                      : apply_activation(g.act, false, s, 0.0f);
-          v[h][2 * j + q] = a;
-          amax[h] = fmaxf(amax[h], fabsf(a));
+          for (int q = 0; q < 2; ++q) {
+            const float x = act_at(blk, h, j, q, weight);
+            if constexpr (keep) v[blk][h][2 * j + q] = x;
+            amax[blk][h] = fmaxf(amax[blk][h], fabsf(x));
+          }
+        amax[blk][h] = quad_max(amax[blk][h]);
+      }
+    };
+    // Block blk's e4m3 act of the thread's rows, and (gate_up: block 0's threads) the scales.
+    const auto write = [&](int blk) {
+      if (block_past_n(blk)) return;
+      const int col_base = n0 + cols * (first_block + blk);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_base + 16 * warp + lane / 4 + 8 * h;
+        if (r >= rows) continue;
+        const std::int64_t row = tile.row_begin + r;
+        const float scale = fp8_group_scale(amax[blk][h]);
+        const float weight = keep ? 1.0f : row_weight(h);
+        std::uint8_t* dst = p.act + row * g.n + col_base + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < cols / 8; ++j) {
+          float x[2];
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            if constexpr (keep) x[q] = v[blk][h][2 * j + q];
+            else x[q] = act_at(blk, h, j, q, weight);
+          }
+          *reinterpret_cast<std::uint16_t*>(dst + 8 * j) = fp8_pack2(x[0], x[1], scale);
         }
-      amax[h] = quad_max(amax[h]);
-    }
-    if constexpr (halves == 2) {
-      if (lane % 4 == 0)
+        if (lane % 4 == 0 && (halves == 1 || first_block + blk == 0))
+          p.act_scale[row * scales_per_row + (halves == 2 ? n0 : col_base) / fp8_group] = scale;
+      }
+    };
+    if constexpr (halves == 1) {
+      // Each block's columns are a group of their own: one block at a time.
 #pragma unroll
-        for (int h = 0; h < 2; ++h) exchange[group][16 * warp + lane / 4 + 8 * h] = amax[h];
-      asm volatile("bar.sync 1, %0;\n" ::"n"(128 * consumers) : "memory");
+      for (int blk = 0; blk < blocks; ++blk) {
+        compute(blk);
+        write(blk);
+      }
+    } else {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) amax[h] = fmaxf(amax[h], exchange[group ^ 1][16 * warp + lane / 4 + 8 * h]);
-    }
+      for (int blk = 0; blk < blocks; ++blk) compute(blk);
+      if constexpr (blocks == 2) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * warp + lane / 4 + 8 * h;
-      if (r >= rows) continue;
-      const std::int64_t row = tile.row_begin + r;
-      const float scale = fp8_group_scale(amax[h]);
-      std::uint8_t* dst = p.act + row * g.n + col_base + 2 * (lane % 4);
+        for (int h = 0; h < 2; ++h) amax[0][h] = amax[1][h] = fmaxf(amax[0][h], amax[1][h]);
+      } else {
+        if (lane % 4 == 0)
 #pragma unroll
-      for (int j = 0; j < cols / 8; ++j)
-        *reinterpret_cast<std::uint16_t*>(dst + 8 * j) = fp8_pack2(v[h][2 * j], v[h][2 * j + 1], scale);
-      if (lane % 4 == 0 && (halves == 1 || group == 0))
-        p.act_scale[row * scales_per_row + (halves == 2 ? n0 : col_base) / fp8_group] = scale;
+          for (int h = 0; h < 2; ++h) exchange[group][16 * warp + lane / 4 + 8 * h] = amax[0][h];
+        asm volatile("bar.sync 1, %0;\n" ::"n"(128 * consumers) : "memory");
+#pragma unroll
+        for (int h = 0; h < 2; ++h) amax[0][h] = fmaxf(amax[0][h], exchange[group ^ 1][16 * warp + lane / 4 + 8 * h]);
+      }
+#pragma unroll
+      for (int blk = 0; blk < blocks; ++blk) write(blk);
     }
   }
 };
@@ -352,11 +434,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape {
 // Persistent CTAs over work items in decode_work_item's order, K split into g.k_splits ranges
 // (GEMM2 into the output or f32 parts only). The body exists only in sm_90a code; elsewhere it
 // traps (the launch code checks first).
-template <class T, moe_gemm_kind Kind, int Cluster>
-__global__ void __launch_bounds__(wgmma_fp8_shape::threads, 1)
+template <class T, moe_gemm_kind Kind, int Cluster, int BlockM>
+__global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
     moe_grouped_gemm_wgmma_fp8_kernel(const moe_gemm_fp8_params<T> p, const __grid_constant__ CUtensorMap b_map) {
 #if MOERUNNER_WGMMA_COMPILED
-  using tile_t = moe_gemm_wgmma_fp8<T, Kind, Cluster>;
+  using tile_t = moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM>;
   __shared__ typename tile_t::barriers bars;
   __shared__ float amax_exchange[2][tile_t::consumers][tile_t::block_m];
   extern __shared__ unsigned char wgmma_fp8_smem_raw[];

@@ -4,7 +4,8 @@
 //
 // Pipeline, all on the caller's stream, nothing on the host in between (CUDA-graph capturable):
 //   routing plan and M-tile schedule (the plan kernel, as cuda_fused): tiles of 64 rows, or of
-//      128 for pairs of CTAs sharing each weight tile where experts average more than 2048 rows
+//      128 where experts average more than 64 rows (one CTA, or above 2048 rows a pair of CTAs
+//      sharing each weight tile)
 //   -> the input rows quantized per token in groups of 128 into the workspace (e4m3 + an f32
 //      scale per group), unless hidden_states come as e4m3 with hidden_scales
 //   -> GEMM1: e4m3 x rows gathered inside the load, times w13[e]^T on fp8 wgmma, each 128-K
@@ -83,10 +84,11 @@ class cuda_fused_fp8_policy {
   gpu::fp8_plan plan(std::int64_t num_tokens, const gpu::device_target& dev) const {
     return gpu::make_fp8_plan(cfg_, num_tokens, dev, settings_);
   }
-  // Force the stream GEMMs on or off, or pairs of wgmma CTAs on or off (unset: the plan's rules),
-  // for measuring one against the other (gpu::fp8_settings).
+  // Force the stream GEMMs, pairs of wgmma CTAs or 128-row wgmma CTAs on or off (unset: the
+  // plan's rules), for measuring one against the other (gpu::fp8_settings).
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
+  void set_tall(std::optional<bool> on) noexcept { settings_.tall = on; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
@@ -262,15 +264,20 @@ class cuda_fused_fp8_policy {
     } else {
       const std::uint8_t* w13 = q.w13;
       const std::uint8_t* w2 = q.w2;
-      const auto gemms = [&]<int Cluster>() {
+      const auto gemms = [&]<int Cluster, int BlockM>() {
         if (cfg_.is_gated())
-          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up, Cluster>(g1, w13, experts, schedule, dev, stream);
+          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up, Cluster, BlockM>(g1, w13, experts, schedule, dev,
+                                                                                    stream);
         else
-          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster>(g1, w13, experts, schedule, dev, stream);
-        gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster>(g2, w2, experts, schedule, dev, stream);
+          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster, BlockM>(g1, w13, experts, schedule, dev,
+                                                                                    stream);
+        gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM>(g2, w2, experts, schedule, dev, stream);
       };
-      if (pl.cluster_m == 2) gemms.template operator()<2>();
-      else gemms.template operator()<1>();
+      switch (pl.tile) {
+        case gpu::fp8_tile::m64x2: gemms.template operator()<2, gpu::fp8_block_m>(); break;
+        case gpu::fp8_tile::m128: gemms.template operator()<1, gpu::fp8_large_block_m>(); break;
+        default: gemms.template operator()<1, gpu::fp8_block_m>();
+      }
     }
     gpu::combine_down(g2.g, plan, row_weights, scale, out, stream, dependent);
   }
