@@ -320,7 +320,7 @@ g::fp8_plan fp8_plan_of(moe_config_params p, std::int64_t m, g::device_target de
 
 }  // namespace
 
-TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, 128-row CTAs above 64 rows per expert, pairs of CTAs above 2048, K split where items come in few waves") {
+TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pairs of CTAs above 2048 rows per expert, K split where items come in few waves") {
   for (const moe_config_params& c : {mixtral(), qwen3(), deepseek()})
     for (std::int64_t m : {0, 1, 7, 64, 512, 4096, 16384}) {
       CAPTURE(c.num_experts);
@@ -328,17 +328,15 @@ TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, 128
       const g::fp8_plan p = fp8_plan_of(c, m);
       // Stream where the active experts average at most 4 rows, as cuda_fused decides, and the
       // wgmma GEMM1 (128 act columns per item) would have items for under half the SMs; pairs
-      // of CTAs on 128-row tiles where the experts average more than 2048 rows, 128-row CTAs
-      // where they average more than 64.
+      // of CTAs on 128-row tiles where the experts average more than 2048 rows; 128-row CTAs
+      // only when asked.
       const std::int64_t slots = m * c.top_k, active = std::min<std::int64_t>(slots, c.num_experts);
       const bool pair = active > 0 && slots > 2048 * active;
-      const bool tall = !pair && active > 0 && slots > 64 * active;
       const std::int64_t items = active * ((c.intermediate_size + 127) / 128);
       CHECK(p.stream == (slots > 0 && slots <= 4 * active && 2 * items < h200.sm_count));
-      CHECK(p.schedule_block_m == (p.stream ? 8 : pair || tall ? 128 : 64));
+      CHECK(p.schedule_block_m == (p.stream ? 8 : pair ? 128 : 64));
       CHECK(p.cluster_m == (pair ? 2 : 1));
-      if (!p.stream)
-        CHECK(p.tile == (pair ? g::fp8_tile::m64x2 : tall ? g::fp8_tile::m128 : g::fp8_tile::m64));
+      if (!p.stream) CHECK(p.tile == (pair ? g::fp8_tile::m64x2 : g::fp8_tile::m64));
       CHECK(p.describe().find(p.stream ? "stream e4m3" : "wgmma e4m3 " + std::string(g::fp8_tile_name(p.tile))) !=
             std::string::npos);
       CHECK(p.schedule_in_gemms == (p.stream && slots <= 64));
@@ -391,15 +389,13 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs and 128-row CTAs forced on or off (
   CHECK(single.cluster_m == 1);
   CHECK(single.schedule_block_m == 64);
   CHECK(single.tile == g::fp8_tile::m64);
-  // Without pairs, 4096 rows per expert take 128-row CTAs by the rule.
-  const g::fp8_plan tall = forced(mixtral(), 16384, {.stream = std::nullopt, .pairs = false});
+  CHECK(forced(mixtral(), 16384, {.stream = std::nullopt, .pairs = false}).tile == g::fp8_tile::m64);
+  // 128-row CTAs only when asked, wherever the stream GEMMs and pairs are not taken.
+  const g::fp8_plan tall = forced(qwen3(), 4096, {.tall = true});
   CHECK(tall.tile == g::fp8_tile::m128);
   CHECK(tall.cluster_m == 1);
   CHECK(tall.schedule_block_m == 128);
-  // 128-row CTAs off where the rule takes them (Qwen3-30B-A3B at 4096 tokens: 256 rows per
-  // expert), on where it would not (Mixtral-8x7B at 64 tokens: 16).
-  CHECK(fp8_plan_of(qwen3(), 4096).tile == g::fp8_tile::m128);
-  CHECK(forced(qwen3(), 4096, {.tall = false}).tile == g::fp8_tile::m64);
+  CHECK(fp8_plan_of(qwen3(), 4096).tile == g::fp8_tile::m64);
   const g::fp8_plan forced_tall = forced(mixtral(), 64, {.tall = true});
   CHECK(forced_tall.tile == g::fp8_tile::m128);
   CHECK(forced_tall.schedule_block_m == 128);

@@ -34,9 +34,10 @@ inline constexpr const char* fp8_tile_name(fp8_tile t) {
 // (Mixtral-8x7B, 16384 tokens). bench/NOTES.md, round 13.
 inline constexpr int fp8_large_block_m = 128;
 inline constexpr std::int64_t fp8_large_tile_min_rows = 2048;
-// 128-row CTAs where the active experts average more than 64 rows (as cuda_fused's 128-row
-// tiles): the weight tile of a K step serves twice the rows of a 64-row CTA's.
-inline constexpr std::int64_t fp8_tall_tile_min_rows = 64;
+// 128-row CTAs (each warpgroup on 64 rows and all 256 weight rows) only where asked
+// (fp8_settings::tall): they draw 0.6x the shared-memory fill per multiply-add of 64-row CTAs,
+// but measured slower on 5 of the 6 prefill cells where experts average more than 64 rows
+// (H100, one run: 12-48%; 14% faster only at DeepSeek-V3 4096 tokens). bench/NOTES.md, round 14.
 
 // Workspace pieces as byte offsets from the 256-byte aligned start; total includes the slack.
 struct fp8_workspace {
@@ -57,7 +58,7 @@ struct fp8_workspace {
 struct fp8_settings {
   std::optional<bool> stream;  // the stream GEMMs (any M > 0), or never
   std::optional<bool> pairs;   // wgmma CTAs in pairs on 128-row tiles, or never
-  std::optional<bool> tall;    // 128-row wgmma CTAs where pairs are not taken, or never
+  std::optional<bool> tall;    // 128-row wgmma CTAs where pairs are not taken (unset: never)
 };
 
 struct fp8_plan {
@@ -124,8 +125,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
     p.tile = fp8_tile::m64x2;
     p.schedule_block_m = fp8_large_block_m;
     p.cluster_m = fp8_large_block_m / fp8_block_m;
-  } else if (!cfg.batch_invariant() && active > 0 &&
-             settings.tall.value_or(slots > fp8_tall_tile_min_rows * active)) {
+  } else if (!cfg.batch_invariant() && active > 0 && settings.tall.value_or(false)) {
     p.tile = fp8_tile::m128;
     p.schedule_block_m = fp8_large_block_m;
   }

@@ -9,10 +9,11 @@
 // block 0, then of block 1), so the CTA covers 128 act columns, one quantization group;
 // otherwise 128 consecutive rows each. A block's product is one m64n128k32 per 32 K.
 //   64 rows (five stages): consumer warpgroup g takes all 64 rows and B block g.
-//   128 rows (four stages, BlockM 128): warpgroup g takes rows [64g, 64g + 64) and both blocks
-//     in turn, one block's sum in flight at a time (64 registers besides the 128 accumulators;
-//     consumers at 232 registers). Per K tile a CTA draws 49 KB for 8.4 M multiply-adds against
-//     41 KB for 4.2 M: the weight tile serves twice the rows.
+//   128 rows (four stages, BlockM 128; the plan takes them only on request): warpgroup g takes
+//     rows [64g, 64g + 64) and both blocks in turn, one block's sum in flight at a time (64
+//     registers besides the 128 accumulators; consumers at 232 registers). Per K tile a CTA
+//     draws 49 KB for 8.4 M multiply-adds against 41 KB for 4.2 M, yet it measured slower than
+//     64-row CTAs on most prefill shapes (bench/NOTES.md, round 14).
 //
 // Pairs (Cluster 2, where experts see many rows): two CTAs on one 128-row schedule tile, CTA rank
 // r on its rows [64 r, 64 r + 64); rank r loads half the B boxes and multicasts them into both

@@ -4,8 +4,8 @@
 //
 // Pipeline, all on the caller's stream, nothing on the host in between (CUDA-graph capturable):
 //   routing plan and M-tile schedule (the plan kernel, as cuda_fused): tiles of 64 rows, or of
-//      128 where experts average more than 64 rows (one CTA, or above 2048 rows a pair of CTAs
-//      sharing each weight tile)
+//      128 for pairs of CTAs sharing each weight tile where experts average more than 2048 rows
+//      (or for 128-row CTAs, on request: set_tall)
 //   -> the input rows quantized per token in groups of 128 into the workspace (e4m3 + an f32
 //      scale per group), unless hidden_states come as e4m3 with hidden_scales
 //   -> GEMM1: e4m3 x rows gathered inside the load, times w13[e]^T on fp8 wgmma, each 128-K
