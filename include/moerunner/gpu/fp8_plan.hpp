@@ -37,7 +37,7 @@ inline constexpr std::int64_t fp8_large_tile_min_rows = 2048;
 // 128-row CTAs (each warpgroup on 64 rows and all 256 weight rows) only where asked
 // (fp8_settings::tall): they draw 0.6x the shared-memory fill per multiply-add of 64-row CTAs,
 // but measured slower on 5 of the 6 prefill cells where experts average more than 64 rows
-// (H100, one run: 12-48%; 14% faster only at DeepSeek-V3 4096 tokens). bench/NOTES.md, round 14.
+// (H100, one run: 10-48%; 14% faster only at DeepSeek-V3 4096 tokens). bench/NOTES.md, round 14.
 
 // Workspace pieces as byte offsets from the 256-byte aligned start; total includes the slack.
 struct fp8_workspace {
