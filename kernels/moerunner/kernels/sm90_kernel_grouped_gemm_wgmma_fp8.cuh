@@ -298,25 +298,46 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       // (64-row tiles: both warpgroups are active or neither, so the gate_up epilogue's barrier
       // sees both or none.)
       if (!active) continue;
+      // Per channel, each column's sums times its weight row's scale first, in place, so that the
+      // epilogues below are the block format's: with the scales read behind a runtime test in
+      // every value, every item's epilogue carried ~200 predicated loads and their tests (fp8
+      // decode, where items are short, lost 2-12%: bench/NOTES.md, round 14).
+      if (per_channel) scale_columns(p, tile, n0, first_block, lane, acc);
       if constexpr (Kind == moe_gemm_kind::down) {
-        const float* chan = p.b_scale + static_cast<std::int64_t>(tile.expert) * g.b_rows_per_expert;
 #pragma unroll
-        for (int blk = 0; blk < blocks; ++blk) {
-          const int col_base = n0 + 128 * (first_block + blk);
-          // Per channel, column col's scale (add_blocks asks for columns past n too: no read there).
-          const auto value = [&](int j, int i) {
-            const int col = col_base + 8 * j + 2 * (lane % 4) + (i & 1);
-            const float v = acc[64 * blk + 4 * j + i];
-            return per_channel && col < g.n ? v * chan[col] : v;
-          };
-          wgmma_epilogue<T, Kind>::template store<16, false>(g, tile, col_base, item.split, row_base, warp, lane,
-                                                             value, [&](int, int) { return 0.0f; });
-        }
+        for (int blk = 0; blk < blocks; ++blk)
+          wgmma_epilogue<T, Kind>::template store<16, false>(
+              g, tile, n0 + 128 * (first_block + blk), item.split, row_base, warp, lane,
+              [&](int j, int i) { return acc[64 * blk + 4 * j + i]; }, [&](int, int) { return 0.0f; });
       } else {
         store_act(p, tile, n0, first_block, row_base, warp, lane, acc, amax_exchange[exchange], group);
         exchange ^= 1;
       }
     }
+  }
+
+  // Per-channel weights: the thread's sums of its blocks times the scale of each one's weight row
+  // (columns past n, whose sums are zeros, keep them: nothing to read there). Register
+  // 4j + 2h + q of a block is its B row 8j + 2(lane % 4) + q: for gate_up the gate (j < 8) or up
+  // row of act column n0 + 64 b + that row % 64, otherwise output column n0 + 128 b + that row.
+  __device__ __forceinline__ static void scale_columns(const moe_gemm_fp8_params<T>& p, const gpu::moe_m_tile& tile,
+                                                       int n0, int first_block, int lane, float (&acc)[64 * blocks]) {
+    const moe_gemm_params<T>& g = p.g;
+    const float* chan = p.b_scale + static_cast<std::int64_t>(tile.expert) * g.b_rows_per_expert;
+#pragma unroll
+    for (int blk = 0; blk < blocks; ++blk)
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int row = 8 * j + 2 * (lane % 4) + q;  // of the block's 128 B rows
+          const int half = halves == 2 && j >= 8 ? 1 : 0;
+          const int col = halves == 2 ? n0 + 64 * (first_block + blk) + row % 64 : n0 + 128 * (first_block + blk) + row;
+          if (col >= g.n) continue;
+          const float s = chan[b_row<Kind>(g, half, col)];
+          acc[64 * blk + 4 * j + q] *= s;      // row r0
+          acc[64 * blk + 4 * j + 2 + q] *= s;  // row r0 + 8
+        }
   }
 
   // GEMM1's epilogue: the warpgroup's act values of rows row_base + r0 and r0 + 8 over its
@@ -334,10 +355,6 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     constexpr int cols = halves == 2 ? 64 : 128;  // act columns of one block
     const int rows = tile.row_end - tile.row_begin;
     const int scales_per_row = g.n / fp8_group;
-    // Per channel, the expert's scale of each B row this thread's columns read (gate, then up).
-    const bool per_channel = p.b_scaling == fp8_weight_scaling::per_channel;
-    const float* chan = p.b_scale + static_cast<std::int64_t>(tile.expert) * g.b_rows_per_expert;
-    const auto channel_scale = [&](int half, int col) { return per_channel ? chan[b_row<Kind>(g, half, col)] : 1.0f; };
     // The router weight of the thread's row h (act(W (w x)) = act(w (W x)): it scales the f32
     // sums instead of x), and act of its column 8j + 2(lane % 4) + q of block blk.
     const auto row_weight = [&](int h) {
@@ -345,11 +362,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       return r < rows && g.input_weights != nullptr ? g.input_weights[g.row_to_slot[tile.row_begin + r]] : 1.0f;
     };
     const auto act_at = [&](int blk, int h, int j, int q, float weight) {
-      const int col = n0 + cols * (first_block + blk) + 8 * j + 2 * (lane % 4) + q;
-      const float s = acc[64 * blk + 4 * j + 2 * h + q] * channel_scale(0, col) * weight;
+      const float s = acc[64 * blk + 4 * j + 2 * h + q] * weight;
       if constexpr (halves == 2) {
-        const float up = acc[64 * blk + 4 * (j + 8) + 2 * h + q] * channel_scale(1, col) * weight;
-        return apply_activation(g.act, true, s, up);
+        return apply_activation(g.act, true, s, acc[64 * blk + 4 * (j + 8) + 2 * h + q] * weight);
       } else {
         return apply_activation(g.act, false, s, 0.0f);
       }
