@@ -53,12 +53,13 @@ struct fp8_workspace {
 };
 
 // Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
-// set_stream_gemms and set_pairs); unset, the plan's rules decide. Batch-invariant runs keep
-// single wgmma CTAs whatever is asked (one kernel family at every M is what the mode promises).
+// set_stream_gemms, set_pairs and set_tall); unset, the plan's rules decide. Batch-invariant runs
+// keep single 64-row wgmma CTAs whatever is asked (one kernel family at every M is what the mode
+// promises). Each member is initialized, so a designated initializer names only what it forces.
 struct fp8_settings {
-  std::optional<bool> stream;  // the stream GEMMs (any M > 0), or never
-  std::optional<bool> pairs;   // wgmma CTAs in pairs on 128-row tiles, or never
-  std::optional<bool> tall;    // 128-row wgmma CTAs where pairs are not taken (unset: never)
+  std::optional<bool> stream = std::nullopt;  // the stream GEMMs (any M > 0), or never
+  std::optional<bool> pairs = std::nullopt;   // wgmma CTAs in pairs on 128-row tiles, or never
+  std::optional<bool> tall = std::nullopt;    // 128-row wgmma CTAs where pairs are not taken (unset: never)
 };
 
 struct fp8_plan {
@@ -132,9 +133,9 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   const down_store store =
       plan_detail::store_mode(cfg, p.stream ? gemm_family::stream : gemm_family::wgmma, slots);
   if (!p.stream && !cfg.no_combine() && !cfg.batch_invariant() && num_tokens > 0) {
-    const std::int64_t tile_bound = std::min(moe_m_tile_capacity(slots, e, p.schedule_block_m), slots);
-    p.down_k_splits = wgmma_down_k_splits(tile_bound, cfg.hidden_size(), cfg.intermediate_size(),
-                                          dev.sm_count / p.cluster_m, fp8_down_cols, fp8_block_k);
+    p.down_k_splits = wgmma_down_k_splits(moe_m_tile_bound(slots, e, p.schedule_block_m), cfg.hidden_size(),
+                                          cfg.intermediate_size(), dev.sm_count / p.cluster_m, fp8_down_cols,
+                                          fp8_block_k);
   }
   p.down = store == down_store::rows && p.down_k_splits > 1 ? down_store::partials : store;
   p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;

@@ -216,11 +216,10 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
   }
 
   const down_store store = plan_detail::store_mode(cfg, p.family, slots);
+  const std::int64_t tile_bound = moe_m_tile_bound(slots, cfg.num_local_experts(), p.schedule_block_m);
   // GEMM2's K splits: wgmma only, only when it combines, never batch-invariant (the split count
   // follows M), and only where its (M tile, N tile) items come in few waves (decode).
   if (p.family == gemm_family::wgmma && !cfg.no_combine() && !invariant && num_tokens > 0) {
-    const std::int64_t tile_bound =
-        std::min(moe_m_tile_capacity(slots, cfg.num_local_experts(), p.schedule_block_m), slots);
     p.down_k_splits = wgmma_down_k_splits(tile_bound, cfg.hidden_size(), cfg.intermediate_size(),
                                           dev.sm_count / p.cluster_m, sm90_block_n(p.tile));
   }
@@ -233,8 +232,6 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
   p.down_tile = p.tile;
   if (p.choice == gemm_tuning_choice::sm90_wgmma && p.tile == sm90_tile::m64 && p.down_k_splits == 1 &&
       num_tokens > 0) {
-    const std::int64_t tile_bound =
-        std::min(moe_m_tile_capacity(slots, cfg.num_local_experts(), p.schedule_block_m), slots);
     const int cols = sm90_block_n(p.tile);
     const std::int64_t items = tile_bound * ((cfg.hidden_size() + cols - 1) / cols);
     if (2 * items <= dev.sm_count) p.down_tile = sm90_tile::m64n128;

@@ -366,6 +366,12 @@ inline std::int64_t moe_m_tile_capacity(std::int64_t rows, int num_experts, int 
   return (rows + block_m - 1) / block_m + num_experts;
 }
 
+// The most M tiles with rows a run can have (every tile holds one at least): the bound the
+// plans size GEMM2's items by.
+inline std::int64_t moe_m_tile_bound(std::int64_t rows, int num_experts, int block_m) {
+  return std::min(moe_m_tile_capacity(rows, num_experts, block_m), rows);
+}
+
 inline std::size_t tile_schedule_bytes(std::int64_t rows, int num_experts, int block_m) {
   // The tile count, then the tiles, each in its own 256-byte piece.
   return plan_piece_bytes(sizeof(std::int32_t)) +
