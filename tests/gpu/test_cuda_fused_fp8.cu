@@ -207,6 +207,25 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
   return err;
 }
 
+// The cases each 128-row tile (pairs of CTAs, 128-row CTAs) runs, at 75-150 rows per expert
+// unless named: run(shape, dtype, options[, prequantized]).
+template <class Run>
+void wide_tile_cases(const Run& run) {
+  const auto bf16 = mr::dtype::bf16;
+  const shape sh{600, 8, 2, 256, 256};
+  run(sh, bf16, {});
+  run(sh, bf16, {.ids = ids_kind::skewed});  // tiles with few rows: a CTA of a pair, or a warpgroup, with none
+  run(sh, bf16, {.interleaved = true});
+  run({600, 8, 2, 384, 384}, bf16, {.gated = false});  // H, I % 256 = 128
+  run({600, 8, 2, 384, 256}, bf16, {.act = mr::activation_kind::swiglu_clamped});
+  run(sh, bf16, {.ids = ids_kind::random_filtered, .no_combine = true});
+  run(sh, bf16, {.deterministic = true});
+  run({600, 8, 1, 256, 256}, bf16, {.weight_on_input = true});
+  run(sh, mr::dtype::f16, {.inplace = true});
+  run(sh, bf16, {}, true);
+  run({700, 8, 2, 1024, 1536}, bf16, {});  // per-token bound applies
+}
+
 }  // namespace
 
 TEST_CASE("fp8 against the reference's fp8 path") {
@@ -249,23 +268,12 @@ TEST_CASE("fp8 against the reference's fp8 path") {
   }
   SUBCASE("pairs of CTAs on 128-row tiles") {
     // Forced on at 75-150 rows per expert (the plan pairs only above 2048), and once by the rule.
-    const shape sh{600, 8, 2, 256, 256};
     const mr::gpu::fp8_settings pairs{.stream = std::nullopt, .pairs = true};
     const auto pair_case = [&](const shape& c, mr::dtype t, const options& o, bool preq = false) {
       worst = std::max(worst, check_case(c, t, o, rng, preq, mr::fp8_weight_scaling::block128, pairs));
     };
-    pair_case(sh, bf16, {});
-    pair_case(sh, bf16, {.ids = ids_kind::skewed});  // CTAs of a pair with no rows
-    pair_case(sh, bf16, {.interleaved = true});
-    pair_case({600, 8, 2, 384, 384}, bf16, {.gated = false});  // H, I % 256 = 128
-    pair_case({600, 8, 2, 384, 256}, bf16, {.act = mr::activation_kind::swiglu_clamped});
-    pair_case(sh, bf16, {.ids = ids_kind::random_filtered, .no_combine = true});
-    pair_case(sh, bf16, {.deterministic = true});
-    pair_case({600, 8, 1, 256, 256}, bf16, {.weight_on_input = true});
-    pair_case(sh, mr::dtype::f16, {.inplace = true});
-    pair_case(sh, bf16, {}, true);
-    pair_case({700, 8, 2, 1024, 1536}, bf16, {});  // per-token bound applies
-    const shape by_rule{4200, 2, 1, 256, 256};    // 2100 rows per expert
+    wide_tile_cases(pair_case);
+    const shape by_rule{4200, 2, 1, 256, 256};  // 2100 rows per expert
     CHECK(mr::gpu::make_fp8_plan(mr::MoeRunnerConfig({.num_experts = 2, .hidden_size = 256, .intermediate_size = 256,
                                                       .top_k = 1}),
                                  by_rule.m, mr::gpu::device_target_of(mr::gpu::current_device_facts()))
@@ -281,24 +289,14 @@ TEST_CASE("fp8 against the reference's fp8 path") {
                                mr::fp8_weight_scaling sc = mr::fp8_weight_scaling::block128) {
       worst = std::max(worst, check_case(c, t, o, rng, preq, sc, tall));
     };
-    tall_case(sh, bf16, {});
-    tall_case({50, 8, 2, 256, 256}, bf16, {});                // 12 rows per expert: the second warpgroup idles
-    tall_case(sh, bf16, {.ids = ids_kind::skewed});          // experts with 1-64 rows beside full ones
-    tall_case(sh, bf16, {.ids = ids_kind::one_expert});      // one expert's many tiles
-    tall_case(sh, bf16, {.interleaved = true});
-    tall_case({600, 8, 2, 384, 384}, bf16, {.gated = false});  // H, I % 256 = 128: a block past n
+    wide_tile_cases(tall_case);
+    tall_case({50, 8, 2, 256, 256}, bf16, {});           // 12 rows per expert: the second warpgroup idles
+    tall_case(sh, bf16, {.ids = ids_kind::one_expert});  // one expert's many tiles
     tall_case({600, 8, 2, 256, 512}, bf16, {.act = mr::activation_kind::gelu, .gated = false});
-    tall_case({600, 8, 2, 384, 256}, bf16, {.act = mr::activation_kind::swiglu_clamped});
-    tall_case(sh, bf16, {.ids = ids_kind::random_filtered, .no_combine = true});
-    tall_case(sh, bf16, {.deterministic = true});
-    tall_case({600, 8, 1, 256, 256}, bf16, {.weight_on_input = true});
-    tall_case(sh, mr::dtype::f16, {.inplace = true});
-    tall_case(sh, bf16, {}, true);
     tall_case(sh, bf16, {}, false, mr::fp8_weight_scaling::per_tensor);
     tall_case(sh, bf16, {}, false, mr::fp8_weight_scaling::per_channel);
     tall_case({600, 8, 2, 384, 384}, bf16, {.gated = false}, false, mr::fp8_weight_scaling::per_channel);
-    tall_case({700, 8, 2, 1024, 1536}, bf16, {});  // per-token bound applies
-    tall_case({1200, 8, 1, 256, 256}, bf16, {});    // 150 rows per expert
+    tall_case({1200, 8, 1, 256, 256}, bf16, {});  // 150 rows per expert
   }
   SUBCASE("wgmma with GEMM2's K split, both combines") {
     // Few items over the SMs (8 experts of 16 rows): the plan splits GEMM2's K (reductions into
