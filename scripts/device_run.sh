@@ -386,19 +386,27 @@ if has_step bench; then
             $bench_args
       } > "$logs/$step.log" 2>&1
       rc=$?
-      if [[ $rc -eq 0 ]]; then
-        # The baseline's cells join the results under their own backend names.
-        python3 - "$base_results" "$results" "$name" <<'PY'
+      # The baseline's cells join the results under their own backend names, those of a run
+      # that ran out of time included (each row is a whole cell).
+      cells=0
+      if [[ -s "$base_results" ]]; then
+        cells=$(python3 - "$base_results" "$results" "$name" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()][1:]
+n = 0
 with open(sys.argv[2], "a") as out:
     for r in rows:
         if "backend" in r:
             r["backend"] += "@" + sys.argv[3]
             out.write(json.dumps(r) + "\n")
+            n += 1
+print(n)
 PY
-        record "$step" ok "$(grep -c '"backend"' "$base_results") cells"
-      else record "$step" failed "exit $rc, see logs/$step.log"; fi
+        )
+      fi
+      if [[ $rc -eq 0 ]]; then record "$step" ok "$cells cells"
+      elif [[ $rc -eq 124 ]]; then record "$step" timeout "$cells cells kept, see logs/$step.log"
+      else record "$step" failed "exit $rc, $cells cells kept, see logs/$step.log"; fi
       note "$step: $(tail -n1 "$status_file" | cut -f2)"
     fi
   done
