@@ -276,6 +276,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         // 64-row tiles: K tile kt + 1's wgmma run while kt's sums are promoted, into the other of
         // two sum blocks (64 + 2 x 64 registers), so that the tensor pipe does not wait for the
         // promotion (with one block it idled through it: 39% busy at Mixtral-8x7B 4096's GEMM1).
+        // kt's stage is released before kt + 1's wgmma start, as soon as kt's are done: holding
+        // it until kt + 1's were issued took a stage from the producer's lead and measured 12-34%
+        // slower at prefill (bench/NOTES.md, round 15).
         // A CTA of a pair without rows multiplies whatever its stages hold (never stored): wgmma
         // behind a branch would be serialized by ptxas.
         float f_a[2][2], f_b[2][2];
@@ -284,10 +287,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
           block_factors(ring + stage * stage_bytes, first_block, r0, per_channel, f);
           mma_block(ring_addr + stage * stage_bytes, row_base, first_block, sums);
         };
-        const auto retire = [&](std::uint32_t i, float(&sums)[64], const float(&f)[2][2]) {
+        // K tile i's wgmma are done: its stage is free, its sums can be read.
+        const auto retire = [&](std::uint32_t i, float(&sums)[64]) {
+          wgmma_wait<0>();
           wgmma_fence_operands(sums);
           release(static_cast<int>(i % stages));
-          promote(sums, f, acc, 0);
         };
         // The K loop in pairs, so that every path into and out of it has the same group in flight
         // (kt's, in `part`): ptxas tracks the groups without relating branch conditions, and
@@ -296,23 +300,22 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         issue(it, part, f_a);
         int j = 1;
         for (; j + 1 < n; j += 2, it += 2) {
+          retire(it, part);
           issue(it + 1, part_b, f_b);
-          wgmma_wait<1>();
-          retire(it, part, f_a);
+          promote(part, f_a, acc, 0);
+          retire(it + 1, part_b);
           issue(it + 2, part, f_a);
-          wgmma_wait<1>();
-          retire(it + 1, part_b, f_b);
+          promote(part_b, f_b, acc, 0);
         }
+        retire(it, part);
         if (j < n) {
           issue(it + 1, part_b, f_b);
-          wgmma_wait<1>();
-          retire(it, part, f_a);
-          wgmma_wait<0>();
-          retire(it + 1, part_b, f_b);
+          promote(part, f_a, acc, 0);
+          retire(it + 1, part_b);
+          promote(part_b, f_b, acc, 0);
           it += 2;
         } else {
-          wgmma_wait<0>();
-          retire(it, part, f_a);
+          promote(part, f_a, acc, 0);
           it += 1;
         }
       }
