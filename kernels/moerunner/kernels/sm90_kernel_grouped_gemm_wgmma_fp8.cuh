@@ -106,9 +106,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   static constexpr int rows_per_pass = producer_threads / chunks_per_row;  // 16
   static constexpr int a_passes = bm / rows_per_pass;                      // 4 or 8
   static constexpr int k_steps = bk / 32;                                  // wgmma per K tile
-  // A consumer thread holds 128 accumulators and one block's 64-register sum (128-row tiles), or
-  // 64 accumulators and two sums (64-row tiles, one K tile's in flight while the other's promotes).
-  static constexpr int producer_regs = 40, consumer_regs = 232;
+  // 128-row tiles: 128 accumulators and a block's 64-register sum per consumer thread.
+  static constexpr int producer_regs = tall ? 40 : 56, consumer_regs = tall ? 232 : 216;
   // setmaxnreg moves registers within what the CTA got at launch: 168 per thread for 384
   // threads (launch bounds of one CTA per SM).
   static_assert(producer_threads * producer_regs + consumers * 128 * consumer_regs <= 168 * shape::threads,
@@ -197,9 +196,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         const int kcol = kt * bk + ld_chunk * 16;
 #pragma unroll
         for (int i = 0; i < a_passes; ++i) {
-          // The row's addresses formed anew per K tile (a few integer operations) rather than
-          // held across the loop, 64 bits each, in the producer's 40 registers.
-          asm volatile("" : "+r"(a_src_row[i]));
+          // 128-row tiles: the row's addresses formed anew per K tile (a few integer operations)
+          // rather than held across the loop, 64 bits each, in the producer's 40 registers.
+          if constexpr (tall) asm volatile("" : "+r"(a_src_row[i]));
           // Rows past the tile keep whatever the stage held: their results are never stored, and
           // a wgmma row reads only its own A row (and its own scale).
           if (a_src_row[i] < 0) continue;
@@ -235,13 +234,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     const int row_base = tall ? 64 * group : 0, first_block = tall ? 0 : group;
     std::uint32_t it = 0;
     int exchange = 0;  // which half of amax_exchange this item uses (see the gate_up epilogue)
-    float acc[64 * blocks];
-    const int r0 = row_base + 16 * warp + lane / 4;  // the thread's rows: r0 and r0 + 8
-    // The stage read by this warp's wgmma is free again for this CTA's producer and, in a pair,
-    // for the peer's, which multicasts into it.
-    const auto release = [&](int stage) {
-      mbarrier_arrive_where(lane == 0, &bars.empty[stage], Cluster == 2, static_cast<std::uint32_t>(me.rank ^ 1));
-    };
+    float acc[64 * blocks], part[64];
     for (std::int64_t w = me.first; w < work; w += me.stride) {
       const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
       const int n0 = item.n_tile * out_cols;
@@ -254,69 +247,52 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       split_k_range(k_tiles, item.split, g.k_splits, kt_begin, kt_end);
 #pragma unroll
       for (int i = 0; i < 64 * blocks; ++i) acc[i] = 0.0f;
-      float part[64], part_b[tall ? 1 : 64];  // one K tile's sums of a block
-      if constexpr (tall) {
-        for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
-          const int stage = await_stage(bars, it);
+      for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
+        const int stage = static_cast<int>(it % stages);
+        mbarrier_wait(&bars.full[stage], (it / stages) & 1);
+        // The A rows and scales came by cp.async (generic proxy); wgmma reads through the async proxy.
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+        const std::uint32_t sa = ring_addr + stage * stage_bytes;
+        const std::uint64_t da = sw128_kmajor_desc(sa + row_base * bk);
+        const unsigned char* stage_ptr = ring + stage * stage_bytes;
+        const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
+        const float* b_scale_s = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
+        const int r0 = row_base + 16 * warp + lane / 4;
+        const float sa0 = a_scales[r0], sa1 = a_scales[r0 + 8];
 #pragma unroll
-          for (int blk = 0; blk < blocks; ++blk) {
-            const int b = first_block + blk;
-            if (active) {
-              mma_block(ring_addr + stage * stage_bytes, row_base, b, part);
-              wgmma_wait<0>();
+        for (int blk = 0; blk < blocks; ++blk) {
+          const int b = first_block + blk;
+          if (active) {
+            const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + b * 128 * bk);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < k_steps; ++kk) {
+              const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
+              wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
             }
-            wgmma_fence_operands(part);
-            float f[2][2];
-            block_factors(ring + stage * stage_bytes, b, r0, per_channel, f);
-            if (blk == blocks - 1) release(stage);
-            if (active) promote(part, f, acc, blk);
+            wgmma_commit();
+            wgmma_wait<0>();
           }
-        }
-      } else if (kt_begin < kt_end) {
-        // 64-row tiles: K tile kt + 1's wgmma run while kt's sums are promoted, into the other of
-        // two sum blocks (64 + 2 x 64 registers), so that the tensor pipe does not wait for the
-        // promotion (with one block it idled through it: 39% busy at Mixtral-8x7B 4096's GEMM1).
-        // kt's stage is released before kt + 1's wgmma start, as soon as kt's are done: holding
-        // it until kt + 1's were issued took a stage from the producer's lead and measured 12-34%
-        // slower at prefill (bench/NOTES.md, round 15).
-        // A CTA of a pair without rows multiplies whatever its stages hold (never stored): wgmma
-        // behind a branch would be serialized by ptxas.
-        float f_a[2][2], f_b[2][2];
-        const auto issue = [&](std::uint32_t i, float(&sums)[64], float(&f)[2][2]) {
-          const int stage = await_stage(bars, i);
-          block_factors(ring + stage * stage_bytes, first_block, r0, per_channel, f);
-          mma_block(ring_addr + stage * stage_bytes, row_base, first_block, sums);
-        };
-        // K tile i's wgmma are done: its stage is free, its sums can be read.
-        const auto retire = [&](std::uint32_t i, float(&sums)[64]) {
-          wgmma_wait<0>();
-          wgmma_fence_operands(sums);
-          release(static_cast<int>(i % stages));
-        };
-        // The K loop in pairs, so that every path into and out of it has the same group in flight
-        // (kt's, in `part`): ptxas tracks the groups without relating branch conditions, and
-        // serializes all wgmma when a path may leave a group in flight that another does not.
-        const int n = kt_end - kt_begin;
-        issue(it, part, f_a);
-        int j = 1;
-        for (; j + 1 < n; j += 2, it += 2) {
-          retire(it, part);
-          issue(it + 1, part_b, f_b);
-          promote(part, f_a, acc, 0);
-          retire(it + 1, part_b);
-          issue(it + 2, part, f_a);
-          promote(part_b, f_b, acc, 0);
-        }
-        retire(it, part);
-        if (j < n) {
-          issue(it + 1, part_b, f_b);
-          promote(part, f_a, acc, 0);
-          retire(it + 1, part_b);
-          promote(part_b, f_b, acc, 0);
-          it += 2;
-        } else {
-          promote(part, f_a, acc, 0);
-          it += 1;
+          wgmma_fence_operands(part);
+          const float sb0 = per_channel ? 1.0f : b_scale_s[b * halves];
+          const float sb1 = per_channel ? 1.0f : b_scale_s[b * halves + halves - 1];
+          if (blk == blocks - 1) {
+            __syncwarp();
+            // The stage is free again for this CTA's producer and, in a pair, for the peer's,
+            // which multicasts into it.
+            if (lane == 0) {
+              cuda::ptx::mbarrier_arrive(&bars.empty[stage]);
+              if constexpr (Cluster == 2)
+                mbarrier_arrive_cluster(&bars.empty[stage], static_cast<std::uint32_t>(me.rank ^ 1));
+            }
+          }
+          if (!active) continue;
+          // Register 4j + 2h + q: row r0 + 8h, column 8j + 2(lane % 4) + q of the block's 128
+          // B rows (gate_up: j < 8 gate rows, j >= 8 their up rows).
+          const float f[2][2] = {{sa0 * sb0, sa0 * sb1}, {sa1 * sb0, sa1 * sb1}};
+#pragma unroll
+          for (int i = 0; i < 64; ++i)
+            acc[64 * blk + i] = fmaf(part[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[64 * blk + i]);
         }
       }
       // (64-row tiles: both warpgroups are active or neither, so the gate_up epilogue's barrier
@@ -338,53 +314,6 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         exchange ^= 1;
       }
     }
-  }
-
-  // Waits for the stage of the CTA's K tile number `it` (over all its items) to be full; its A rows
-  // and scales came by cp.async (generic proxy), which wgmma reads through the async proxy.
-  __device__ __forceinline__ static int await_stage(barriers& bars, std::uint32_t it) {
-    const int stage = static_cast<int>(it % stages);
-    mbarrier_wait(&bars.full[stage], (it / stages) & 1);
-    cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-    return stage;
-  }
-
-  // B block b's product with the warpgroup's 64 A rows over one K tile of the stage at `sa`:
-  // four m64n128k32 into a fresh sum (scale-d 0 on the first), one commit group.
-  __device__ __forceinline__ static void mma_block(std::uint32_t sa, int row_base, int b, float (&sums)[64]) {
-    const std::uint64_t da = sw128_kmajor_desc(sa + row_base * bk);
-    const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + b * 128 * bk);
-    wgmma_fence();
-    wgmma_m64n128k32_e4m3<true>(sums, da, db);
-#pragma unroll
-    for (int kk = 1; kk < k_steps; ++kk) {
-      const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
-      wgmma_m64n128k32_e4m3<false>(sums, da + step, db + step);
-    }
-    wgmma_commit();
-  }
-
-  // The factors of block b's sums in a K tile: f[h][c] = the A scale of row r0 + 8h times the B
-  // scale of the block's first (c = 0) or last 64 B rows (gate_up: its gate and up rows), read from
-  // the stage (per channel: the B factor comes in scale_columns).
-  __device__ __forceinline__ static void block_factors(const unsigned char* stage_ptr, int b, int r0,
-                                                       bool per_channel, float (&f)[2][2]) {
-    const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
-    const float* b_scales = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
-    const float sa0 = a_scales[r0], sa1 = a_scales[r0 + 8];
-    const float sb0 = per_channel ? 1.0f : b_scales[b * halves];
-    const float sb1 = per_channel ? 1.0f : b_scales[b * halves + halves - 1];
-    f[0][0] = sa0 * sb0, f[0][1] = sa0 * sb1, f[1][0] = sa1 * sb0, f[1][1] = sa1 * sb1;
-  }
-
-  // Block blk's accumulators += a K tile's sums times their factors. Register 4j + 2h + q: row
-  // r0 + 8h, column 8j + 2(lane % 4) + q of the block's 128 B rows (gate_up: j < 8 gate rows,
-  // j >= 8 their up rows).
-  __device__ __forceinline__ static void promote(const float (&sums)[64], const float (&f)[2][2],
-                                                 float (&acc)[64 * blocks], int blk) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i)
-      acc[64 * blk + i] = fmaf(sums[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[64 * blk + i]);
   }
 
   // Per-channel weights: the thread's sums of its blocks times the scale of each one's weight row
@@ -440,9 +369,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         return apply_activation(g.act, false, s, 0.0f);
       }
     };
-    // The values stay in registers (gate_up: 2 x 16 per block), except up_only's (2 x 32 per block,
-    // which spilled beside the K loop's registers), formed twice: for the amax and the store.
-    constexpr bool keep = halves == 2;
+    // The values stay in registers (gate_up: 2 x 16 per block), except up_only's on 128-row
+    // tiles (2 x 32 per block beside 128 accumulators), formed twice: for the amax and the store.
+    constexpr bool keep = halves == 2 || !tall;
     constexpr int kept = keep ? cols / 4 : 1;
     float v[blocks][2][kept];
     float amax[blocks][2];

@@ -105,39 +105,28 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], std::uint64_t de
 // takes), D = A*B + (scale_d ? D : 0) in f32: scale_d 0 starts a fresh sum without zeroing D.
 // The tensor cores sum fp8 products with fewer mantissa bits than f32 keeps; callers add each
 // 128-K block's sum into f32 registers themselves (see sm90_kernel_grouped_gemm_wgmma_fp8.cuh).
-// Fresh (scale_d 0, a compile-time choice) declares D written only, so that the registers of a
-// sum are free between its last read and the next sum's first wgmma; otherwise they would stay
-// live through everything between (the epilogue included).
-#define MOERUNNER_WGMMA_E4M3_D(c)                                                                        \
-  c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]), c(d[6]), c(d[7]), c(d[8]), c(d[9]), c(d[10]),     \
-      c(d[11]), c(d[12]), c(d[13]), c(d[14]), c(d[15]), c(d[16]), c(d[17]), c(d[18]), c(d[19]), c(d[20]), \
-      c(d[21]), c(d[22]), c(d[23]), c(d[24]), c(d[25]), c(d[26]), c(d[27]), c(d[28]), c(d[29]), c(d[30]), \
-      c(d[31]), c(d[32]), c(d[33]), c(d[34]), c(d[35]), c(d[36]), c(d[37]), c(d[38]), c(d[39]), c(d[40]), \
-      c(d[41]), c(d[42]), c(d[43]), c(d[44]), c(d[45]), c(d[46]), c(d[47]), c(d[48]), c(d[49]), c(d[50]), \
-      c(d[51]), c(d[52]), c(d[53]), c(d[54]), c(d[55]), c(d[56]), c(d[57]), c(d[58]), c(d[59]), c(d[60]), \
-      c(d[61]), c(d[62]), c(d[63])
-#define MOERUNNER_WGMMA_E4M3_RW(x) "+f"(x)
-#define MOERUNNER_WGMMA_E4M3_W(x) "=f"(x)
-template <bool Fresh>
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint64_t desc_a, std::uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint64_t desc_a, std::uint64_t desc_b,
+                                                      int scale_d) {
 #if MOERUNNER_WGMMA_COMPILED
-  if constexpr (Fresh)
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 0, 1, 1;\n"
-                 : MOERUNNER_WGMMA_E4M3_D(MOERUNNER_WGMMA_E4M3_W)
-                 : "l"(desc_a), "l"(desc_b));
-  else
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1;\n"
-                 : MOERUNNER_WGMMA_E4M3_D(MOERUNNER_WGMMA_E4M3_RW)
-                 : "l"(desc_a), "l"(desc_b));
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 #else
-  (void)d, (void)desc_a, (void)desc_b;
+  (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
   __trap();
 #endif
 }
-
-#undef MOERUNNER_WGMMA_E4M3_D
-#undef MOERUNNER_WGMMA_E4M3_RW
-#undef MOERUNNER_WGMMA_E4M3_W
 
 __device__ __forceinline__ void wgmma_fence() {
 #if MOERUNNER_WGMMA_COMPILED
@@ -234,26 +223,6 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(std::uint64_t* bar, std:
       : "memory");
 #else
   (void)bar, (void)rank;
-#endif
-}
-
-
-// One arrival on this CTA's `bar` and, with `peer`, on the same barrier of CTA `rank` of the
-// cluster, made by the threads where `p` holds, as predicated instructions: a branch there would
-// be a divergent path, across which ptxas serializes wgmma groups still in flight.
-__device__ __forceinline__ void mbarrier_arrive_where(bool p, std::uint64_t* bar, bool peer, std::uint32_t rank) {
-#if MOERUNNER_WGMMA_COMPILED
-  asm volatile(
-      "{\n.reg .pred p, q;\n.reg .b32 remote;\n"
-      "setp.ne.b32 p, %1, 0;\n"
-      "setp.ne.and.b32 q, %2, 0, p;\n"
-      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
-      "mapa.shared::cluster.u32 remote, %0, %3;\n"
-      "@q mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(sm90_detail::shared_address(bar)),
-      "r"(static_cast<std::uint32_t>(p)), "r"(static_cast<std::uint32_t>(peer)), "r"(rank)
-      : "memory");
-#else
-  (void)p, (void)bar, (void)peer, (void)rank;
 #endif
 }
 
