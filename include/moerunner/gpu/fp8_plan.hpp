@@ -10,6 +10,7 @@
 #include <string>
 
 #include "moerunner/core/config.hpp"
+#include "moerunner/core/error.hpp"
 #include "moerunner/gpu/fused_plan.hpp"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/gpu/routing_plan.hpp"
@@ -38,6 +39,11 @@ inline constexpr std::int64_t fp8_large_tile_min_rows = 2048;
 // (fp8_settings::tall): they draw 0.6x the shared-memory fill per multiply-add of 64-row CTAs,
 // but measured slower on 5 of the 6 prefill cells where experts average more than 64 rows
 // (H100, one run: 10-48%; 14% faster only at DeepSeek-V3 4096 tokens). bench/NOTES.md, round 14.
+// The promotion overlapped with the next K tile's wgmma (64-row CTAs alone or in pairs) only where
+// asked (fp8_settings::overlap): it measured 9-34% slower at prefill on an H100, the weight tiles'
+// L2 reuse lost as the CTAs that share them drifted apart. bench/NOTES.md, round 15.
+// M tiles per raster band (decode_work_item): the 16-bit wgmma tunings' unless asked otherwise.
+inline constexpr int fp8_raster_band = sm90_wgmma_gemm_policy::tuning.raster_band;
 
 // Workspace pieces as byte offsets from the 256-byte aligned start; total includes the slack.
 struct fp8_workspace {
@@ -53,13 +59,16 @@ struct fp8_workspace {
 };
 
 // Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
-// set_stream_gemms, set_pairs and set_tall); unset, the plan's rules decide. Batch-invariant runs
-// keep single 64-row wgmma CTAs whatever is asked (one kernel family at every M is what the mode
-// promises). Each member is initialized, so a designated initializer names only what it forces.
+// set_stream_gemms, set_pairs, set_tall, set_overlap and set_raster_band); unset, the plan's
+// rules decide. Batch-invariant runs keep single 64-row wgmma CTAs with the plain promotion
+// whatever is asked (one kernel family at every M is what the mode promises). Each member is
+// initialized, so a designated initializer names only what it forces.
 struct fp8_settings {
-  std::optional<bool> stream = std::nullopt;  // the stream GEMMs (any M > 0), or never
-  std::optional<bool> pairs = std::nullopt;   // wgmma CTAs in pairs on 128-row tiles, or never
-  std::optional<bool> tall = std::nullopt;    // 128-row wgmma CTAs where pairs are not taken (unset: never)
+  std::optional<bool> stream = std::nullopt;   // the stream GEMMs (any M > 0), or never
+  std::optional<bool> pairs = std::nullopt;    // wgmma CTAs in pairs on 128-row tiles, or never
+  std::optional<bool> tall = std::nullopt;     // 128-row wgmma CTAs where pairs are not taken (unset: never)
+  std::optional<bool> overlap = std::nullopt;  // 64-row wgmma CTAs promote while the next K tile runs (unset: never)
+  std::optional<int> raster_band = std::nullopt;  // M tiles per raster band of the wgmma GEMMs (>= 1; any mode)
 };
 
 struct fp8_plan {
@@ -73,6 +82,8 @@ struct fp8_plan {
   fp8_tile tile = fp8_tile::m64;       // wgmma: the CTA tile
   int schedule_block_m = fp8_block_m;  // stream: 8; wgmma: 64, or 128 for a pair of CTAs or a 128-row CTA
   int cluster_m = 1;                   // wgmma CTAs on one schedule tile
+  bool overlap = false;                // wgmma, 64-row CTAs: the promotion overlapped with the next K tile
+  int raster_band = fp8_raster_band;   // wgmma: M tiles that walk the N tiles together
   int down_k_splits = 1;
   down_store down = down_store::accumulate;
   bool combine_kernel = false;  // a combine kernel sums GEMM2's rows or parts per token afterwards
@@ -82,7 +93,8 @@ struct fp8_plan {
   std::string describe() const {
     std::string s = "cuda_fused_fp8 M=" + std::to_string(num_tokens) + ": " +
                     (stream ? std::string("stream e4m3")
-                            : "wgmma e4m3 " + std::string(fp8_tile_name(tile))) +
+                            : "wgmma e4m3 " + std::string(fp8_tile_name(tile)) + (overlap ? " overlapped" : "") +
+                                  " band " + std::to_string(raster_band)) +
                     " (schedule tiles of " + std::to_string(schedule_block_m) + " rows" +
                     (schedule_in_gemms ? ", built in the GEMMs" : "") + "), GEMM2 " + std::string(down_store_name(down));
     if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
@@ -129,6 +141,14 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   } else if (!cfg.batch_invariant() && active > 0 && settings.tall.value_or(false)) {
     p.tile = fp8_tile::m128;
     p.schedule_block_m = fp8_large_block_m;
+  }
+  p.overlap = !p.stream && p.tile != fp8_tile::m128 && !cfg.batch_invariant() && settings.overlap.value_or(false);
+  // The band orders the work items only (each item's sums are the same in any order).
+  if (settings.raster_band) {
+    if (*settings.raster_band < 1)
+      throw invalid_argument_error("make_fp8_plan: raster_band must be positive, got " +
+                                   std::to_string(*settings.raster_band));
+    p.raster_band = *settings.raster_band;
   }
   const down_store store =
       plan_detail::store_mode(cfg, p.stream ? gemm_family::stream : gemm_family::wgmma, slots);

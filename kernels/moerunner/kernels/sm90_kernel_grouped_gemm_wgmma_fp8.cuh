@@ -26,7 +26,11 @@
 // so a K tile's four wgmma run into a fresh f32 block (scale-d 0 on the first) that the
 // consumer then adds into its f32 accumulators times the row's A scale and the block's B scale
 // (the promotion DeepSeek-V3's report describes): the reduced-precision sums span 128 products,
-// never the whole K.
+// never the whole K. Both warpgroups wait on the same stage, so they tend to promote at the same
+// time, with the tensor pipe idle (Mixtral-8x7B 4096's GEMM1: 39% busy). With Overlap (64-row
+// CTAs, on request) each keeps two sums and K tile kt + 1's wgmma run while kt's are promoted
+// (k_loop_overlapped); it measured slower at prefill (bench/NOTES.md, round 15): the faster
+// consumers let the CTAs sharing each weight tile drift apart, and L2 served fewer of its reads.
 //
 // The producer copies per stage: the B boxes by TMA (thread 0), the gathered A rows by 16-byte
 // cp.async (every thread, as the 16-bit kernel), each row's A scale of the K tile and the
@@ -84,7 +88,7 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-template <class T, moe_gemm_kind Kind, int Cluster, int BlockM = gpu::fp8_block_m>
+template <class T, moe_gemm_kind Kind, int Cluster, int BlockM = gpu::fp8_block_m, bool Overlap = false>
 struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   using shape = wgmma_fp8_shape<BlockM>;
   using shape::a_bytes, shape::b_bytes, shape::block_k, shape::block_m, shape::block_n, shape::consumers,
@@ -92,6 +96,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   static_assert(Cluster == 1 || Cluster == 2, "CTAs run alone or in pairs along M");
   static constexpr bool tall = BlockM == gpu::fp8_large_block_m;  // warpgroups on rows of their own
   static_assert(!tall || Cluster == 1, "128-row CTAs run alone");
+  static_assert(!tall || !Overlap, "the overlapped promotion is written for 64-row tiles");
   static constexpr int bm = block_m, bn = block_n, bk = block_k, cluster = Cluster;
   static constexpr int blocks = tall ? 2 : 1;  // 128-row B blocks per warpgroup
   static constexpr int schedule_block_m = block_m * Cluster;
@@ -106,8 +111,10 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   static constexpr int rows_per_pass = producer_threads / chunks_per_row;  // 16
   static constexpr int a_passes = bm / rows_per_pass;                      // 4 or 8
   static constexpr int k_steps = bk / 32;                                  // wgmma per K tile
-  // 128-row tiles: 128 accumulators and a block's 64-register sum per consumer thread.
-  static constexpr int producer_regs = tall ? 40 : 56, consumer_regs = tall ? 232 : 216;
+  // A consumer thread holds 128 accumulators and a block's 64-register sum (128-row tiles), 64
+  // accumulators and one sum (64-row tiles), or 64 and two sums (Overlap).
+  static constexpr bool lean_producer = tall || Overlap;
+  static constexpr int producer_regs = lean_producer ? 40 : 56, consumer_regs = lean_producer ? 232 : 216;
   // setmaxnreg moves registers within what the CTA got at launch: 168 per thread for 384
   // threads (launch bounds of one CTA per SM).
   static_assert(producer_threads * producer_regs + consumers * 128 * consumer_regs <= 168 * shape::threads,
@@ -196,9 +203,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         const int kcol = kt * bk + ld_chunk * 16;
 #pragma unroll
         for (int i = 0; i < a_passes; ++i) {
-          // 128-row tiles: the row's addresses formed anew per K tile (a few integer operations)
-          // rather than held across the loop, 64 bits each, in the producer's 40 registers.
-          if constexpr (tall) asm volatile("" : "+r"(a_src_row[i]));
+          // At 40 registers: the row's addresses formed anew per K tile (a few integer
+          // operations) rather than held across the loop, 64 bits each.
+          if constexpr (lean_producer) asm volatile("" : "+r"(a_src_row[i]));
           // Rows past the tile keep whatever the stage held: their results are never stored, and
           // a wgmma row reads only its own A row (and its own scale).
           if (a_src_row[i] < 0) continue;
@@ -234,7 +241,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     const int row_base = tall ? 64 * group : 0, first_block = tall ? 0 : group;
     std::uint32_t it = 0;
     int exchange = 0;  // which half of amax_exchange this item uses (see the gate_up epilogue)
-    float acc[64 * blocks], part[64];
+    float acc[64 * blocks], part[Overlap ? 1 : 64];  // Overlap: the sums are k_loop_overlapped's
     for (std::int64_t w = me.first; w < work; w += me.stride) {
       const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
       const int n0 = item.n_tile * out_cols;
@@ -247,52 +254,58 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       split_k_range(k_tiles, item.split, g.k_splits, kt_begin, kt_end);
 #pragma unroll
       for (int i = 0; i < 64 * blocks; ++i) acc[i] = 0.0f;
-      for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
-        const int stage = static_cast<int>(it % stages);
-        mbarrier_wait(&bars.full[stage], (it / stages) & 1);
-        // The A rows and scales came by cp.async (generic proxy); wgmma reads through the async proxy.
-        cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-        const std::uint32_t sa = ring_addr + stage * stage_bytes;
-        const std::uint64_t da = sw128_kmajor_desc(sa + row_base * bk);
-        const unsigned char* stage_ptr = ring + stage * stage_bytes;
-        const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
-        const float* b_scale_s = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
-        const int r0 = row_base + 16 * warp + lane / 4;
-        const float sa0 = a_scales[r0], sa1 = a_scales[r0 + 8];
+      if constexpr (Overlap) {
+        if (kt_begin < kt_end)
+          k_loop_overlapped(bars, ring, ring_addr, it, kt_end - kt_begin, first_block, r0_of(row_base, warp, lane),
+                            per_channel, lane, static_cast<std::uint32_t>(me.rank ^ 1), acc);
+      } else {
+        for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
+          const int stage = static_cast<int>(it % stages);
+          mbarrier_wait(&bars.full[stage], (it / stages) & 1);
+          // The A rows and scales came by cp.async (generic proxy); wgmma reads through the async proxy.
+          cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+          const std::uint32_t sa = ring_addr + stage * stage_bytes;
+          const std::uint64_t da = sw128_kmajor_desc(sa + row_base * bk);
+          const unsigned char* stage_ptr = ring + stage * stage_bytes;
+          const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
+          const float* b_scale_s = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
+          const int r0 = row_base + 16 * warp + lane / 4;
+          const float sa0 = a_scales[r0], sa1 = a_scales[r0 + 8];
 #pragma unroll
-        for (int blk = 0; blk < blocks; ++blk) {
-          const int b = first_block + blk;
-          if (active) {
-            const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + b * 128 * bk);
-            wgmma_fence();
+          for (int blk = 0; blk < blocks; ++blk) {
+            const int b = first_block + blk;
+            if (active) {
+              const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + b * 128 * bk);
+              wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < k_steps; ++kk) {
-              const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
-              wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
+              for (int kk = 0; kk < k_steps; ++kk) {
+                const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
+                wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
+              }
+              wgmma_commit();
+              wgmma_wait<0>();
             }
-            wgmma_commit();
-            wgmma_wait<0>();
-          }
-          wgmma_fence_operands(part);
-          const float sb0 = per_channel ? 1.0f : b_scale_s[b * halves];
-          const float sb1 = per_channel ? 1.0f : b_scale_s[b * halves + halves - 1];
-          if (blk == blocks - 1) {
-            __syncwarp();
-            // The stage is free again for this CTA's producer and, in a pair, for the peer's,
-            // which multicasts into it.
-            if (lane == 0) {
-              cuda::ptx::mbarrier_arrive(&bars.empty[stage]);
-              if constexpr (Cluster == 2)
-                mbarrier_arrive_cluster(&bars.empty[stage], static_cast<std::uint32_t>(me.rank ^ 1));
+            wgmma_fence_operands(part);
+            const float sb0 = per_channel ? 1.0f : b_scale_s[b * halves];
+            const float sb1 = per_channel ? 1.0f : b_scale_s[b * halves + halves - 1];
+            if (blk == blocks - 1) {
+              __syncwarp();
+              // The stage is free again for this CTA's producer and, in a pair, for the peer's,
+              // which multicasts into it.
+              if (lane == 0) {
+                cuda::ptx::mbarrier_arrive(&bars.empty[stage]);
+                if constexpr (Cluster == 2)
+                  mbarrier_arrive_cluster(&bars.empty[stage], static_cast<std::uint32_t>(me.rank ^ 1));
+              }
             }
-          }
-          if (!active) continue;
-          // Register 4j + 2h + q: row r0 + 8h, column 8j + 2(lane % 4) + q of the block's 128
-          // B rows (gate_up: j < 8 gate rows, j >= 8 their up rows).
-          const float f[2][2] = {{sa0 * sb0, sa0 * sb1}, {sa1 * sb0, sa1 * sb1}};
+            if (!active) continue;
+            // Register 4j + 2h + q: row r0 + 8h, column 8j + 2(lane % 4) + q of the block's 128
+            // B rows (gate_up: j < 8 gate rows, j >= 8 their up rows).
+            const float f[2][2] = {{sa0 * sb0, sa0 * sb1}, {sa1 * sb0, sa1 * sb1}};
 #pragma unroll
-          for (int i = 0; i < 64; ++i)
-            acc[64 * blk + i] = fmaf(part[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[64 * blk + i]);
+            for (int i = 0; i < 64; ++i)
+              acc[64 * blk + i] = fmaf(part[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[64 * blk + i]);
+          }
         }
       }
       // (64-row tiles: both warpgroups are active or neither, so the gate_up epilogue's barrier
@@ -313,6 +326,82 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         store_act(p, tile, n0, first_block, row_base, warp, lane, acc, amax_exchange[exchange], group);
         exchange ^= 1;
       }
+    }
+  }
+
+  // The first of the thread's two rows in the tile (the other is 8 below).
+  __device__ __forceinline__ static int r0_of(int row_base, int warp, int lane) {
+    return row_base + 16 * warp + lane / 4;
+  }
+
+  // Overlap: one item's n K tiles (the CTA's K tiles it .. it + n - 1), K tile kt + 1's wgmma
+  // running while kt's sums are promoted, into the other of two sum blocks. kt's stage is
+  // released as soon as its wgmma are done, before kt + 1's start. The loop goes in pairs so
+  // that every path into and out of it has the same group in flight (kt's, in `sums_a`): ptxas
+  // tracks groups without relating branch conditions, and serializes every wgmma of the kernel
+  // where one path may leave a group in flight that another does not (C7514 / C7518). For the
+  // same reason nothing between a wgmma and its wait branches: releases are predicated, and a
+  // CTA of a pair without rows multiplies whatever its stages hold (never stored).
+  __device__ __forceinline__ static void k_loop_overlapped(barriers& bars, unsigned char* ring, std::uint32_t ring_addr,
+                                                           std::uint32_t& it, int n, int block, int r0,
+                                                           bool per_channel, int lane, std::uint32_t peer,
+                                                           float (&acc)[64 * blocks]) {
+    float sums_a[64], sums_b[64], f_a[2][2], f_b[2][2];
+    // Waits for K tile i's stage, reads its scale factors and starts its wgmma into `sums`.
+    const auto issue = [&](std::uint32_t i, float(&sums)[64], float(&f)[2][2]) {
+      const int stage = static_cast<int>(i % stages);
+      mbarrier_wait(&bars.full[stage], (i / stages) & 1);
+      // The A rows and scales came by cp.async (generic proxy); wgmma reads through the async proxy.
+      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+      const unsigned char* stage_ptr = ring + stage * stage_bytes;
+      const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
+      const float* b_scales = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
+      const float sa0 = a_scales[r0], sa1 = a_scales[r0 + 8];
+      const float sb0 = per_channel ? 1.0f : b_scales[block * halves];
+      const float sb1 = per_channel ? 1.0f : b_scales[block * halves + halves - 1];
+      f[0][0] = sa0 * sb0, f[0][1] = sa0 * sb1, f[1][0] = sa1 * sb0, f[1][1] = sa1 * sb1;
+      const std::uint32_t sa = ring_addr + stage * stage_bytes;
+      const std::uint64_t da = sw128_kmajor_desc(sa), db = sw128_kmajor_desc(sa + a_bytes + block * 128 * bk);
+      wgmma_fence();
+      wgmma_m64n128k32_e4m3_fresh(sums, da, db);
+#pragma unroll
+      for (int kk = 1; kk < k_steps; ++kk) {
+        const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
+        wgmma_m64n128k32_e4m3(sums, da + step, db + step, 1);
+      }
+      wgmma_commit();
+    };
+    // K tile i's wgmma are done: its stage is free (for the peer's multicast too), its sums readable.
+    const auto retire = [&](std::uint32_t i, float(&sums)[64]) {
+      wgmma_wait<0>();
+      wgmma_fence_operands(sums);
+      mbarrier_arrive_where<Cluster == 2>(lane == 0, &bars.empty[i % stages], peer);
+    };
+    // Register 4j + 2h + q: row r0 + 8h, column 8j + 2(lane % 4) + q of the block's 128 B rows.
+    const auto promote = [&](const float(&sums)[64], const float(&f)[2][2]) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = fmaf(sums[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[i]);
+    };
+    issue(it, sums_a, f_a);
+    int j = 1;
+    for (; j + 1 < n; j += 2, it += 2) {
+      retire(it, sums_a);
+      issue(it + 1, sums_b, f_b);
+      promote(sums_a, f_a);
+      retire(it + 1, sums_b);
+      issue(it + 2, sums_a, f_a);
+      promote(sums_b, f_b);
+    }
+    retire(it, sums_a);
+    if (j < n) {
+      issue(it + 1, sums_b, f_b);
+      promote(sums_a, f_a);
+      retire(it + 1, sums_b);
+      promote(sums_b, f_b);
+      it += 2;
+    } else {
+      promote(sums_a, f_a);
+      it += 1;
     }
   }
 
@@ -369,9 +458,10 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         return apply_activation(g.act, false, s, 0.0f);
       }
     };
-    // The values stay in registers (gate_up: 2 x 16 per block), except up_only's on 128-row
-    // tiles (2 x 32 per block beside 128 accumulators), formed twice: for the amax and the store.
-    constexpr bool keep = halves == 2 || !tall;
+    // The values stay in registers (gate_up: 2 x 16 per block), except up_only's beside 128
+    // accumulators or the overlapped K loop's two sums (2 x 32 per block: they spilled), formed
+    // twice: for the amax and the store.
+    constexpr bool keep = halves == 2 || !lean_producer;
     constexpr int kept = keep ? cols / 4 : 1;
     float v[blocks][2][kept];
     float amax[blocks][2];
@@ -450,11 +540,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
 // Persistent CTAs over work items in decode_work_item's order, K split into g.k_splits ranges
 // (GEMM2 into the output or f32 parts only). The body exists only in sm_90a code; elsewhere it
 // traps (the launch code checks first).
-template <class T, moe_gemm_kind Kind, int Cluster, int BlockM>
+template <class T, moe_gemm_kind Kind, int Cluster, int BlockM, bool Overlap = false>
 __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
     moe_grouped_gemm_wgmma_fp8_kernel(const moe_gemm_fp8_params<T> p, const __grid_constant__ CUtensorMap b_map) {
 #if MOERUNNER_WGMMA_COMPILED
-  using tile_t = moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM>;
+  using tile_t = moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Overlap>;
   __shared__ typename tile_t::barriers bars;
   __shared__ float amax_exchange[2][tile_t::consumers][tile_t::block_m];
   extern __shared__ unsigned char wgmma_fp8_smem_raw[];

@@ -128,6 +128,30 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint6
 #endif
 }
 
+// The first of a sum's wgmma (scale-d 0) with D declared written only: a sum's registers are
+// then free from its last read to the next sum's first wgmma (with "+f" they stay live through
+// whatever lies between, an epilogue included).
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_fresh(float (&d)[64], std::uint64_t desc_a, std::uint64_t desc_b) {
+#if MOERUNNER_WGMMA_COMPILED
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, 0, 1, 1;\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+        "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
+        "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
+        "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
+        "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]),
+        "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]),
+        "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
+        "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+      : "l"(desc_a), "l"(desc_b));
+#else
+  (void)d, (void)desc_a, (void)desc_b;
+  __trap();
+#endif
+}
+
 __device__ __forceinline__ void wgmma_fence() {
 #if MOERUNNER_WGMMA_COMPILED
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -223,6 +247,34 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(std::uint64_t* bar, std:
       : "memory");
 #else
   (void)bar, (void)rank;
+#endif
+}
+
+
+// One arrival on this CTA's `bar` (and with Peer on the same barrier of cluster CTA `rank`), made
+// by the threads where `p` holds as predicated instructions: ptxas counts a branch as a divergent
+// path, and serializes wgmma whose groups are in flight across one.
+template <bool Peer>
+__device__ __forceinline__ void mbarrier_arrive_where(bool p, std::uint64_t* bar, std::uint32_t rank) {
+#if MOERUNNER_WGMMA_COMPILED
+  if constexpr (Peer)
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b32 remote;\n"
+        "setp.ne.b32 p, %1, 0;\n"
+        "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
+        "mapa.shared::cluster.u32 remote, %0, %2;\n"
+        "@p mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(sm90_detail::shared_address(bar)),
+        "r"(static_cast<std::uint32_t>(p)), "r"(rank)
+        : "memory");
+  else
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %1, 0;\n"
+        "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(sm90_detail::shared_address(bar)),
+        "r"(static_cast<std::uint32_t>(p))
+        : "memory");
+#else
+  (void)p, (void)bar, (void)rank;
 #endif
 }
 

@@ -5,7 +5,8 @@
 // Pipeline, all on the caller's stream, nothing on the host in between (CUDA-graph capturable):
 //   routing plan and M-tile schedule (the plan kernel, as cuda_fused): tiles of 64 rows, or of
 //      128 for pairs of CTAs sharing each weight tile where experts average more than 2048 rows
-//      (or for 128-row CTAs, on request: set_tall)
+//      (or for 128-row CTAs, on request: set_tall; on request too, set_overlap, 64-row CTAs
+//      promote one K tile's sums while the next one's wgmma run)
 //   -> the input rows quantized per token in groups of 128 into the workspace (e4m3 + an f32
 //      scale per group), unless hidden_states come as e4m3 with hidden_scales
 //   -> GEMM1: e4m3 x rows gathered inside the load, times w13[e]^T on fp8 wgmma, each 128-K
@@ -84,11 +85,19 @@ class cuda_fused_fp8_policy {
   gpu::fp8_plan plan(std::int64_t num_tokens, const gpu::device_target& dev) const {
     return gpu::make_fp8_plan(cfg_, num_tokens, dev, settings_);
   }
-  // Force the stream GEMMs, pairs of wgmma CTAs or 128-row wgmma CTAs on or off (unset: the
-  // plan's rules), for measuring one against the other (gpu::fp8_settings).
+  // Force the stream GEMMs, pairs of wgmma CTAs, 128-row wgmma CTAs or the overlapped promotion
+  // on or off, or the wgmma GEMMs' raster band (unset: the plan's rules), for measuring one
+  // against the other (gpu::fp8_settings).
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
   void set_tall(std::optional<bool> on) noexcept { settings_.tall = on; }
+  void set_overlap(std::optional<bool> on) noexcept { settings_.overlap = on; }
+  void set_raster_band(std::optional<int> band) {
+    if (band && *band < 1)
+      throw invalid_argument_error("cuda_fused_fp8_policy::set_raster_band: the band must be positive, got " +
+                                   std::to_string(*band));
+    settings_.raster_band = band;
+  }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
@@ -219,7 +228,7 @@ class cuda_fused_fp8_policy {
     g1.g.input_weights = cfg_.apply_router_weight_on_input() ? weights : nullptr;
     g1.g.act = cfg_.act();
     g1.g.interleaved = cfg_.gate_up_layout() == w13_layout::interleaved;
-    g1.g.raster_band = raster_band;
+    g1.g.raster_band = pl.raster_band;
     if (pl.clear_in_gemm1) {
       g1.g.clear = static_cast<uint4*>(out.data);
       g1.g.clear_vectors = static_cast<std::int64_t>(out.bytes() / sizeof(uint4));  // H % 128 == 0: whole vectors
@@ -248,7 +257,7 @@ class cuda_fused_fp8_policy {
     g2.g.n = hidden;
     g2.g.k = inter;
     g2.g.act = cfg_.act();
-    g2.g.raster_band = raster_band;
+    g2.g.raster_band = pl.raster_band;
     g2.g.k_splits = pl.down_k_splits;
     gpu::set_down_store(g2.g, pl.down, base + lay.rows, slots, out, row_weights, scale);
     g2.a = act;
@@ -264,19 +273,25 @@ class cuda_fused_fp8_policy {
     } else {
       const std::uint8_t* w13 = q.w13;
       const std::uint8_t* w2 = q.w2;
-      const auto gemms = [&]<int Cluster, int BlockM>() {
+      const auto gemms = [&]<int Cluster, int BlockM, bool Overlap>() {
         if (cfg_.is_gated())
-          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up, Cluster, BlockM>(g1, w13, experts, schedule, dev,
-                                                                                    stream);
+          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up, Cluster, BlockM, Overlap>(g1, w13, experts,
+                                                                                              schedule, dev, stream);
         else
-          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster, BlockM>(g1, w13, experts, schedule, dev,
-                                                                                    stream);
-        gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM>(g2, w2, experts, schedule, dev, stream);
+          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster, BlockM, Overlap>(g1, w13, experts,
+                                                                                              schedule, dev, stream);
+        gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, Overlap>(g2, w2, experts, schedule,
+                                                                                        dev, stream);
       };
       switch (pl.tile) {
-        case gpu::fp8_tile::m64x2: gemms.template operator()<2, gpu::fp8_block_m>(); break;
-        case gpu::fp8_tile::m128: gemms.template operator()<1, gpu::fp8_large_block_m>(); break;
-        default: gemms.template operator()<1, gpu::fp8_block_m>();
+        case gpu::fp8_tile::m64x2:
+          if (pl.overlap) gemms.template operator()<2, gpu::fp8_block_m, true>();
+          else gemms.template operator()<2, gpu::fp8_block_m, false>();
+          break;
+        case gpu::fp8_tile::m128: gemms.template operator()<1, gpu::fp8_large_block_m, false>(); break;
+        default:
+          if (pl.overlap) gemms.template operator()<1, gpu::fp8_block_m, true>();
+          else gemms.template operator()<1, gpu::fp8_block_m, false>();
       }
     }
     gpu::combine_down(g2.g, plan, row_weights, scale, out, stream, dependent);
@@ -309,9 +324,6 @@ class cuda_fused_fp8_policy {
                            g1.act_scale, stream, true);
     gpu::launch_moe_stream_gemm<T, policy, moe_gemm_kind::down, true>(g2, schedule, dev, stream, true);
   }
-
-  // M tiles per raster band: the 16-bit wgmma tunings' (see decode_work_item).
-  static constexpr int raster_band = gpu::sm90_wgmma_gemm_policy::tuning.raster_band;
 
   MoeRunnerConfig cfg_;
   gpu::fp8_settings settings_;
