@@ -27,9 +27,9 @@
 // wherever the stream GEMMs are not taken), cuda_fused_fp8_stream (the stream GEMMs at every
 // M; slow at prefill: ask for decode cells), cuda_fused_fp8_m64 (64-row CTAs alone wherever the
 // stream GEMMs are not taken), cuda_fused_fp8_m128 (128-row CTAs there), cuda_fused_fp8_overlap
-// (the promotion overlapped with the next K tile's wgmma), cuda_fused_fp8_pairs_overlap (that in
-// pairs of CTAs), cuda_fused_fp8_band16 and cuda_fused_fp8_overlap_band16 (raster bands of 16
-// M tiles instead of 8).
+// and cuda_fused_fp8_stagger (the overlapped and staggered K loops, gpu::fp8_k_loop), the same
+// in pairs of CTAs (cuda_fused_fp8_pairs_overlap, cuda_fused_fp8_pairs_stagger),
+// cuda_fused_fp8_band16 and cuda_fused_fp8_overlap_band16 (raster bands of 16 M tiles, not 8).
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -130,10 +130,10 @@ struct backend_variant {
   // cuda_fused with the stream GEMMs: their use of L2 (unset: the policy's)
   std::optional<mr::gpu::stream_l2_use> stream_l2 = std::nullopt;
   bool batch_invariant = false;
-  // cuda_fused_fp8: the stream GEMMs, pairs of wgmma CTAs, 128-row wgmma CTAs and the overlapped
-  // promotion, forced on or off (unset: its plan's rules)
+  // cuda_fused_fp8: the stream GEMMs, pairs of wgmma CTAs and 128-row wgmma CTAs forced on or
+  // off, and the wgmma K loop (unset: its plan's rules)
   std::optional<bool> fp8_stream = std::nullopt, fp8_pairs = std::nullopt, fp8_tall = std::nullopt;
-  std::optional<bool> fp8_overlap = std::nullopt;
+  std::optional<mr::gpu::fp8_k_loop> fp8_k_loop = std::nullopt;
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -173,12 +173,16 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_fp8_m128", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
      true, std::nullopt, false, std::nullopt, false, true},
     {"cuda_fused_fp8_overlap", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0,
-     std::nullopt, true, std::nullopt, false, std::nullopt, std::nullopt, std::nullopt, true},
+     std::nullopt, true, std::nullopt, false, std::nullopt, std::nullopt, std::nullopt, mr::gpu::fp8_k_loop::overlap},
+    {"cuda_fused_fp8_stagger", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0,
+     std::nullopt, true, std::nullopt, false, std::nullopt, std::nullopt, std::nullopt, mr::gpu::fp8_k_loop::stagger},
     {"cuda_fused_fp8_pairs_overlap", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0,
-     std::nullopt, true, std::nullopt, false, std::nullopt, true, std::nullopt, true},
+     std::nullopt, true, std::nullopt, false, std::nullopt, true, std::nullopt, mr::gpu::fp8_k_loop::overlap},
+    {"cuda_fused_fp8_pairs_stagger", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0,
+     std::nullopt, true, std::nullopt, false, std::nullopt, true, std::nullopt, mr::gpu::fp8_k_loop::stagger},
     {"cuda_fused_fp8_band16", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 16},
     {"cuda_fused_fp8_overlap_band16", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 16,
-     std::nullopt, true, std::nullopt, false, std::nullopt, std::nullopt, std::nullopt, true},
+     std::nullopt, true, std::nullopt, false, std::nullopt, std::nullopt, std::nullopt, mr::gpu::fp8_k_loop::overlap},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -677,7 +681,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_stream_gemms(variant->fp8_stream);
           core.set_pairs(variant->fp8_pairs);
           core.set_tall(variant->fp8_tall);
-          core.set_overlap(variant->fp8_overlap);
+          core.set_k_loop(variant->fp8_k_loop);
           if (variant->raster_band > 0) core.set_raster_band(variant->raster_band);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");

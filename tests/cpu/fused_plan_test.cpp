@@ -413,7 +413,7 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs and 128-row CTAs forced on or off (
   CHECK(forced(inv, 4096, {.tall = true}).tile == g::fp8_tile::m64);
 }
 
-TEST_CASE("fp8 plan: the overlapped promotion and the raster band only where asked") {
+TEST_CASE("fp8 plan: the K loop and the raster band only where asked") {
   const auto forced = [](const moe_config_params& c, std::int64_t m, g::fp8_settings s) {
     const g::fp8_plan p = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, s);
     check_fp8_layout(p, c);
@@ -423,39 +423,44 @@ TEST_CASE("fp8 plan: the overlapped promotion and the raster band only where ask
     for (std::int64_t m : {0, 1, 64, 4096, 16384}) {
       CAPTURE(c.num_experts);
       CAPTURE(m);
-      // Unasked: never overlapped, the 16-bit wgmma tunings' band (8 M tiles).
+      // Unasked: the plain K loop, the 16-bit wgmma tunings' band (8 M tiles).
       const g::fp8_plan plain = fp8_plan_of(c, m);
-      CHECK_FALSE(plain.overlap);
+      CHECK(plain.k_loop == g::fp8_k_loop::plain);
       CHECK(plain.raster_band == g::sm90_wgmma_gemm_policy::tuning.raster_band);
       CHECK(plain.raster_band == 8);
-      CHECK(plain.describe().find("overlapped") == std::string::npos);
-      // Asked: on the 64-row wgmma CTAs, alone or in pairs; the tiles, splits and workspace are
-      // the plain plan's (the overlap changes the K loop only).
-      const g::fp8_plan o = forced(c, m, {.overlap = true});
-      CHECK(o.overlap == !o.stream);
-      CHECK(o.tile == plain.tile);
-      CHECK(o.stream == plain.stream);
-      CHECK(o.down_k_splits == plain.down_k_splits);
-      CHECK(o.workspace.total == plain.workspace.total);
-      CHECK((o.describe().find(" overlapped") != std::string::npos) == o.overlap);
-      CHECK(forced(c, m, {.pairs = true, .overlap = true}).overlap == !plain.stream);
-      // Never on 128-row CTAs (written for 64-row tiles) or the stream GEMMs.
-      const g::fp8_plan tall = forced(c, m, {.pairs = false, .tall = true, .overlap = true});
-      if (tall.tile == g::fp8_tile::m128) CHECK_FALSE(tall.overlap);
-      const g::fp8_plan streamed = forced(c, m, {.stream = true, .overlap = true});
-      if (streamed.stream) CHECK_FALSE(streamed.overlap);
-      if (m > 0) CHECK(streamed.stream);
+      for (const char* name : {"overlapped", "staggered"}) CHECK(plain.describe().find(name) == std::string::npos);
+      for (const g::fp8_k_loop loop : {g::fp8_k_loop::overlap, g::fp8_k_loop::stagger}) {
+        CAPTURE(g::fp8_k_loop_name(loop));
+        // Asked: taken on the 64-row wgmma CTAs, alone or in pairs; the tiles, splits and
+        // workspace are the plain plan's (the K loop changes nothing else).
+        const g::fp8_plan o = forced(c, m, {.k_loop = loop});
+        CHECK(o.k_loop == (o.stream ? g::fp8_k_loop::plain : loop));
+        CHECK(o.tile == plain.tile);
+        CHECK(o.stream == plain.stream);
+        CHECK(o.down_k_splits == plain.down_k_splits);
+        CHECK(o.workspace.total == plain.workspace.total);
+        CHECK((o.describe().find(std::string(" ") + g::fp8_k_loop_name(loop)) != std::string::npos) == !o.stream);
+        const g::fp8_plan paired = forced(c, m, {.stream = false, .pairs = true, .k_loop = loop});
+        CHECK(paired.k_loop == loop);
+        // Never on 128-row CTAs or the stream GEMMs.
+        const g::fp8_plan tall = forced(c, m, {.stream = false, .pairs = false, .tall = true, .k_loop = loop});
+        if (tall.tile == g::fp8_tile::m128) CHECK(tall.k_loop == g::fp8_k_loop::plain);
+        const g::fp8_plan streamed = forced(c, m, {.stream = true, .k_loop = loop});
+        if (streamed.stream) CHECK(streamed.k_loop == g::fp8_k_loop::plain);
+        if (m > 0) CHECK(streamed.stream);
+      }
       const g::fp8_plan band = forced(c, m, {.raster_band = 16});
       CHECK(band.raster_band == 16);
       CHECK(band.tile == plain.tile);
       CHECK(band.workspace.total == plain.workspace.total);
       if (!band.stream) CHECK(band.describe().find(" band 16") != std::string::npos);
     }
-  // Batch-invariant runs keep the plain promotion (one kernel at every M); the band orders work
+  // Batch-invariant runs keep the plain K loop (one kernel at every M); the band orders work
   // items only, so it is taken in every mode.
   moe_config_params inv = mixtral();
   inv.batch_invariant = true;
-  CHECK_FALSE(forced(inv, 4096, {.overlap = true}).overlap);
+  CHECK(forced(inv, 4096, {.k_loop = g::fp8_k_loop::overlap}).k_loop == g::fp8_k_loop::plain);
+  CHECK(forced(inv, 4096, {.k_loop = g::fp8_k_loop::stagger}).k_loop == g::fp8_k_loop::plain);
   CHECK(forced(inv, 4096, {.raster_band = 3}).raster_band == 3);
   CHECK_THROWS_AS(forced(mixtral(), 64, {.raster_band = 0}), moerunner::invalid_argument_error);
   CHECK_THROWS_AS(forced(mixtral(), 64, {.raster_band = -2}), moerunner::invalid_argument_error);

@@ -110,8 +110,8 @@ struct fp8_problem {
 using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_fp8_policy>;
 
 // Device copies of an fp8 problem and a runner with exactly the workspace it asks for; `forced`
-// forces the stream GEMMs, the pairs of CTAs, the 128-row CTAs or the overlapped promotion on or
-// off, or the raster band (unset: the plan's rules).
+// forces the stream GEMMs, the pairs of CTAs or the 128-row CTAs on or off, or the K loop or the
+// raster band (unset: the plan's rules).
 struct fp8_on_device {
   mr::test::device_tensor x, xq, xs, w13, w2, s13, s2, weights, ids;
   mr::test::device_buffer out_buf, ws_buf;
@@ -128,7 +128,7 @@ struct fp8_on_device {
         core.set_stream_gemms(forced.stream);
         core.set_pairs(forced.pairs);
         core.set_tall(forced.tall);
-        core.set_overlap(forced.overlap);
+        core.set_k_loop(forced.k_loop);
         core.set_raster_band(forced.raster_band);
       }
     });
@@ -301,28 +301,34 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     tall_case({600, 8, 2, 384, 384}, bf16, {.gated = false}, false, mr::fp8_weight_scaling::per_channel);
     tall_case({1200, 8, 1, 256, 256}, bf16, {});  // 150 rows per expert
   }
-  SUBCASE("the promotion overlapped with the next K tile, alone and in pairs; raster bands") {
-    // Forced on (the plan takes it only when asked; the stream GEMMs off): K loops of 1, 2 and 3
-    // tiles and longer (the loop runs in pairs, with a tail of one or two), GEMM2's K split
-    // (ranges of a few tiles), experts without rows, and the weight scale formats.
-    const mr::gpu::fp8_settings overlap{.stream = false, .overlap = true};
-    const auto overlap_case = [&](const shape& c, mr::dtype t, const options& o, bool preq = false,
-                                  mr::fp8_weight_scaling sc = mr::fp8_weight_scaling::block128) {
-      worst = std::max(worst, check_case(c, t, o, rng, preq, sc, overlap));
-    };
-    wide_tile_cases(overlap_case);
-    overlap_case({1, 8, 2, 128, 128}, bf16, {});   // one K tile in each GEMM
-    overlap_case({7, 8, 2, 384, 256}, bf16, {});   // 3 and 2 K tiles
-    overlap_case({64, 8, 2, 640, 1152}, bf16, {}); // 5 and 9 K tiles; GEMM2 split where items are few
-    overlap_case({40, 128, 6, 256, 128}, bf16, {});  // most experts get no rows
-    overlap_case({600, 8, 2, 256, 256}, bf16, {.ids = ids_kind::one_expert});
-    overlap_case({600, 8, 2, 256, 256}, bf16, {}, false, mr::fp8_weight_scaling::per_tensor);
-    overlap_case({600, 8, 2, 384, 384}, bf16, {.gated = false}, false, mr::fp8_weight_scaling::per_channel);
-    const mr::gpu::fp8_settings pairs_overlap{.stream = false, .pairs = true, .overlap = true};
-    for (const shape& c : {shape{600, 8, 2, 256, 256}, shape{600, 8, 2, 384, 640}, shape{50, 8, 2, 256, 256}})
-      worst = std::max(worst, check_case(c, bf16, {}, rng, false, mr::fp8_weight_scaling::block128, pairs_overlap));
-    worst = std::max(worst, check_case({600, 8, 2, 256, 256}, bf16, {.ids = ids_kind::skewed}, rng, false,
-                                       mr::fp8_weight_scaling::block128, pairs_overlap));
+  SUBCASE("the overlapped and staggered K loops, alone and in pairs; raster bands") {
+    // Forced on (the plan takes them only when asked; the stream GEMMs off): K loops of 1, 2 and
+    // 3 tiles and longer (the overlapped loop runs in pairs, with a tail of one or two), GEMM2's
+    // K split (ranges of a few tiles), experts without rows, and the weight scale formats.
+    for (const mr::gpu::fp8_k_loop loop : {mr::gpu::fp8_k_loop::overlap, mr::gpu::fp8_k_loop::stagger}) {
+      CAPTURE(mr::gpu::fp8_k_loop_name(loop));
+      const mr::gpu::fp8_settings single{.stream = false, .k_loop = loop};
+      const auto loop_case = [&](const shape& c, mr::dtype t, const options& o, bool preq = false,
+                                 mr::fp8_weight_scaling sc = mr::fp8_weight_scaling::block128) {
+        worst = std::max(worst, check_case(c, t, o, rng, preq, sc, single));
+      };
+      wide_tile_cases(loop_case);
+      loop_case({1, 8, 2, 128, 128}, bf16, {});     // one K tile in each GEMM
+      loop_case({7, 8, 2, 384, 256}, bf16, {});     // 3 and 2 K tiles
+      loop_case({64, 8, 2, 640, 1152}, bf16, {});   // 5 and 9 K tiles; GEMM2 split where items are few
+      loop_case({40, 128, 6, 256, 128}, bf16, {});  // most experts get no rows
+      loop_case({600, 8, 2, 256, 256}, bf16, {.ids = ids_kind::one_expert});
+      loop_case({600, 8, 2, 256, 256}, bf16, {}, false, mr::fp8_weight_scaling::per_tensor);
+      loop_case({600, 8, 2, 384, 384}, bf16, {.gated = false}, false, mr::fp8_weight_scaling::per_channel);
+      const mr::gpu::fp8_settings pairs{.stream = false, .pairs = true, .k_loop = loop};
+      const auto pair_case = [&](const shape& c, const options& o) {
+        worst = std::max(worst, check_case(c, bf16, o, rng, false, mr::fp8_weight_scaling::block128, pairs));
+      };
+      pair_case({600, 8, 2, 256, 256}, {});
+      pair_case({600, 8, 2, 384, 640}, {});
+      pair_case({50, 8, 2, 256, 256}, {});  // 12 rows per expert: a CTA of each pair without rows
+      pair_case({600, 8, 2, 256, 256}, {.ids = ids_kind::skewed});
+    }
     for (int band : {1, 3, 16})
       worst = std::max(worst, check_case({600, 8, 2, 256, 384}, bf16, {}, rng, false, mr::fp8_weight_scaling::block128,
                                          {.raster_band = band}));

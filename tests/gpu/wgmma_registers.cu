@@ -2,7 +2,7 @@
 // wgmma GEMM the fused backends launch, for one 16-bit output type. Their accumulators and the
 // fp8 promotion's block live in registers under setmaxnreg budgets; a spill in the K loop or
 // the epilogue costs what the tile was chosen to save, so none may spill; nor may ptxas serialize
-// their wgmma (the overlapped fp8 promotion keeps a group in flight across other code).
+// their wgmma (the overlapped and staggered fp8 K loops keep a group in flight across other code).
 #include <cuda_bf16.h>
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
@@ -16,9 +16,9 @@ using bf16 = __nv_bfloat16;
 #define MOERUNNER_WGMMA_16(Policy, Kind)                                                                   \
   template __global__ void k::moe_grouped_gemm_wgmma_kernel<bf16, g::Policy, k::moe_gemm_kind::Kind>(     \
       const k::moe_gemm_params<bf16>, const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap);
-#define MOERUNNER_WGMMA_FP8(Kind, Cluster, BlockM, Overlap)                                               \
+#define MOERUNNER_WGMMA_FP8(Kind, Cluster, BlockM, Loop)                                                  \
   template __global__ void                                                                                 \
-  k::moe_grouped_gemm_wgmma_fp8_kernel<bf16, k::moe_gemm_kind::Kind, Cluster, BlockM, Overlap>(            \
+  k::moe_grouped_gemm_wgmma_fp8_kernel<bf16, k::moe_gemm_kind::Kind, Cluster, BlockM, g::fp8_k_loop::Loop>( \
       const k::moe_gemm_fp8_params<bf16>, const __grid_constant__ CUtensorMap);
 
 MOERUNNER_WGMMA_16(sm90_wgmma_gemm_policy, gate_up)
@@ -33,18 +33,24 @@ MOERUNNER_WGMMA_16(sm90_wgmma_m64_gemm_policy, down)
 MOERUNNER_WGMMA_16(sm90_wgmma_m64n128_gemm_policy, gate_up)
 MOERUNNER_WGMMA_16(sm90_wgmma_m64n128_gemm_policy, up_only)
 MOERUNNER_WGMMA_16(sm90_wgmma_m64n128_gemm_policy, down)
-MOERUNNER_WGMMA_FP8(gate_up, 1, g::fp8_block_m, false)
-MOERUNNER_WGMMA_FP8(up_only, 1, g::fp8_block_m, false)
-MOERUNNER_WGMMA_FP8(down, 1, g::fp8_block_m, false)
-MOERUNNER_WGMMA_FP8(gate_up, 2, g::fp8_block_m, false)
-MOERUNNER_WGMMA_FP8(up_only, 2, g::fp8_block_m, false)
-MOERUNNER_WGMMA_FP8(down, 2, g::fp8_block_m, false)
-MOERUNNER_WGMMA_FP8(gate_up, 1, g::fp8_large_block_m, false)
-MOERUNNER_WGMMA_FP8(up_only, 1, g::fp8_large_block_m, false)
-MOERUNNER_WGMMA_FP8(down, 1, g::fp8_large_block_m, false)
-MOERUNNER_WGMMA_FP8(gate_up, 1, g::fp8_block_m, true)
-MOERUNNER_WGMMA_FP8(up_only, 1, g::fp8_block_m, true)
-MOERUNNER_WGMMA_FP8(down, 1, g::fp8_block_m, true)
-MOERUNNER_WGMMA_FP8(gate_up, 2, g::fp8_block_m, true)
-MOERUNNER_WGMMA_FP8(up_only, 2, g::fp8_block_m, true)
-MOERUNNER_WGMMA_FP8(down, 2, g::fp8_block_m, true)
+MOERUNNER_WGMMA_FP8(gate_up, 1, g::fp8_block_m, plain)
+MOERUNNER_WGMMA_FP8(up_only, 1, g::fp8_block_m, plain)
+MOERUNNER_WGMMA_FP8(down, 1, g::fp8_block_m, plain)
+MOERUNNER_WGMMA_FP8(gate_up, 2, g::fp8_block_m, plain)
+MOERUNNER_WGMMA_FP8(up_only, 2, g::fp8_block_m, plain)
+MOERUNNER_WGMMA_FP8(down, 2, g::fp8_block_m, plain)
+MOERUNNER_WGMMA_FP8(gate_up, 1, g::fp8_large_block_m, plain)
+MOERUNNER_WGMMA_FP8(up_only, 1, g::fp8_large_block_m, plain)
+MOERUNNER_WGMMA_FP8(down, 1, g::fp8_large_block_m, plain)
+MOERUNNER_WGMMA_FP8(gate_up, 1, g::fp8_block_m, overlap)
+MOERUNNER_WGMMA_FP8(up_only, 1, g::fp8_block_m, overlap)
+MOERUNNER_WGMMA_FP8(down, 1, g::fp8_block_m, overlap)
+MOERUNNER_WGMMA_FP8(gate_up, 2, g::fp8_block_m, overlap)
+MOERUNNER_WGMMA_FP8(up_only, 2, g::fp8_block_m, overlap)
+MOERUNNER_WGMMA_FP8(down, 2, g::fp8_block_m, overlap)
+MOERUNNER_WGMMA_FP8(gate_up, 1, g::fp8_block_m, stagger)
+MOERUNNER_WGMMA_FP8(up_only, 1, g::fp8_block_m, stagger)
+MOERUNNER_WGMMA_FP8(down, 1, g::fp8_block_m, stagger)
+MOERUNNER_WGMMA_FP8(gate_up, 2, g::fp8_block_m, stagger)
+MOERUNNER_WGMMA_FP8(up_only, 2, g::fp8_block_m, stagger)
+MOERUNNER_WGMMA_FP8(down, 2, g::fp8_block_m, stagger)

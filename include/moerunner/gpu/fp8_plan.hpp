@@ -39,9 +39,18 @@ inline constexpr std::int64_t fp8_large_tile_min_rows = 2048;
 // (fp8_settings::tall): they draw 0.6x the shared-memory fill per multiply-add of 64-row CTAs,
 // but measured slower on 5 of the 6 prefill cells where experts average more than 64 rows
 // (H100, one run: 10-48%; 14% faster only at DeepSeek-V3 4096 tokens). bench/NOTES.md, round 14.
-// The promotion overlapped with the next K tile's wgmma (64-row CTAs alone or in pairs) only where
-// asked (fp8_settings::overlap): it measured 9-34% slower at prefill on an H100, the weight tiles'
-// L2 reuse lost as the CTAs that share them drifted apart. bench/NOTES.md, round 15.
+// The wgmma K loop: each warpgroup waits for its K tile's wgmma and then promotes the sums
+// (plain), both warpgroups at once as they wait on the same stage; or K tile kt + 1's wgmma run
+// while kt's sums are promoted (overlap: two sum blocks); or the two warpgroups take turns to
+// issue (stagger: one promotes while the other's wgmma run); either on 64-row CTAs alone or in
+// pairs. Only
+// plain unless asked (fp8_settings::k_loop): overlap measured 9-34% slower at prefill on an H100,
+// the weight tiles' L2 reuse lost as the CTAs that share them drifted apart; stagger is not
+// measured yet. bench/NOTES.md, round 15.
+enum class fp8_k_loop : std::uint8_t { plain, overlap, stagger };
+inline constexpr const char* fp8_k_loop_name(fp8_k_loop l) {
+  return l == fp8_k_loop::plain ? "plain" : l == fp8_k_loop::overlap ? "overlapped" : "staggered";
+}
 // M tiles per raster band (decode_work_item): the 16-bit wgmma tunings' unless asked otherwise.
 inline constexpr int fp8_raster_band = sm90_wgmma_gemm_policy::tuning.raster_band;
 
@@ -59,15 +68,15 @@ struct fp8_workspace {
 };
 
 // Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
-// set_stream_gemms, set_pairs, set_tall, set_overlap and set_raster_band); unset, the plan's
-// rules decide. Batch-invariant runs keep single 64-row wgmma CTAs with the plain promotion
+// set_stream_gemms, set_pairs, set_tall, set_k_loop and set_raster_band); unset, the plan's
+// rules decide. Batch-invariant runs keep single 64-row wgmma CTAs with the plain K loop
 // whatever is asked (one kernel family at every M is what the mode promises). Each member is
 // initialized, so a designated initializer names only what it forces.
 struct fp8_settings {
   std::optional<bool> stream = std::nullopt;   // the stream GEMMs (any M > 0), or never
   std::optional<bool> pairs = std::nullopt;    // wgmma CTAs in pairs on 128-row tiles, or never
   std::optional<bool> tall = std::nullopt;     // 128-row wgmma CTAs where pairs are not taken (unset: never)
-  std::optional<bool> overlap = std::nullopt;  // 64-row wgmma CTAs promote while the next K tile runs (unset: never)
+  std::optional<fp8_k_loop> k_loop = std::nullopt;  // the wgmma K loop (unset: plain; 128-row CTAs: plain)
   std::optional<int> raster_band = std::nullopt;  // M tiles per raster band of the wgmma GEMMs (>= 1; any mode)
 };
 
@@ -82,7 +91,7 @@ struct fp8_plan {
   fp8_tile tile = fp8_tile::m64;       // wgmma: the CTA tile
   int schedule_block_m = fp8_block_m;  // stream: 8; wgmma: 64, or 128 for a pair of CTAs or a 128-row CTA
   int cluster_m = 1;                   // wgmma CTAs on one schedule tile
-  bool overlap = false;                // wgmma, 64-row CTAs: the promotion overlapped with the next K tile
+  fp8_k_loop k_loop = fp8_k_loop::plain;  // wgmma: how the warpgroups' wgmma and promotions interleave
   int raster_band = fp8_raster_band;   // wgmma: M tiles that walk the N tiles together
   int down_k_splits = 1;
   down_store down = down_store::accumulate;
@@ -93,7 +102,8 @@ struct fp8_plan {
   std::string describe() const {
     std::string s = "cuda_fused_fp8 M=" + std::to_string(num_tokens) + ": " +
                     (stream ? std::string("stream e4m3")
-                            : "wgmma e4m3 " + std::string(fp8_tile_name(tile)) + (overlap ? " overlapped" : "") +
+                            : "wgmma e4m3 " + std::string(fp8_tile_name(tile)) +
+                                  (k_loop != fp8_k_loop::plain ? " " + std::string(fp8_k_loop_name(k_loop)) : "") +
                                   " band " + std::to_string(raster_band)) +
                     " (schedule tiles of " + std::to_string(schedule_block_m) + " rows" +
                     (schedule_in_gemms ? ", built in the GEMMs" : "") + "), GEMM2 " + std::string(down_store_name(down));
@@ -142,7 +152,10 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
     p.tile = fp8_tile::m128;
     p.schedule_block_m = fp8_large_block_m;
   }
-  p.overlap = !p.stream && p.tile != fp8_tile::m128 && !cfg.batch_invariant() && settings.overlap.value_or(false);
+  if (!p.stream && !cfg.batch_invariant()) {
+    p.k_loop = settings.k_loop.value_or(fp8_k_loop::plain);
+    if (p.tile == fp8_tile::m128) p.k_loop = fp8_k_loop::plain;
+  }
   // The band orders the work items only (each item's sums are the same in any order).
   if (settings.raster_band) {
     if (*settings.raster_band < 1)

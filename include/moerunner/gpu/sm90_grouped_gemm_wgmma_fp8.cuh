@@ -45,7 +45,7 @@ void quantize_rows_fp8(const T* x, std::int64_t rows, int h, std::uint8_t* q, fl
 // Sets the kernel's dynamic shared memory limit once per device, checks that a CTA (a pair of
 // them) fits, and returns how many run at once: sm_count CTAs, or the pairs resident at once
 // (a pair needs two SMs of one GPC, which may leave some SMs out).
-template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM, bool Overlap>
+template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM, fp8_k_loop Loop>
 int prepare_wgmma_fp8_gemm(const device_facts& dev) {
   constexpr int cached_devices = 64;
   static std::array<std::atomic<int>, cached_devices> places{};  // 0: not prepared yet
@@ -54,7 +54,7 @@ int prepare_wgmma_fp8_gemm(const device_facts& dev) {
     if (const int n = places[dev.device].load(std::memory_order_relaxed); n > 0) return n;
   }
   using shape = kernels::wgmma_fp8_shape<BlockM>;
-  const auto kernel = kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Overlap>;
+  const auto kernel = kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop>;
   MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shape::smem_bytes));
   int n = 0;
   if constexpr (Cluster == 1) {
@@ -74,15 +74,16 @@ int prepare_wgmma_fp8_gemm(const device_facts& dev) {
 
 // Launches one fp8 grouped GEMM over `schedule` (built for BlockM-row tiles, or with Cluster 2
 // for 128-row ones that a pair of 64-row CTAs shares, each weight tile multicast to both), with
-// the promotion overlapped with the next K tile's wgmma where Overlap (64-row CTAs only); b is
+// the K loop Loop (fp8_k_loop; other than plain on 64-row CTAs only); b is
 // the e4m3 weights [num_experts, p.g.b_rows_per_expert, p.g.k]. Fills p.g.tiles, tile_count and
 // n_tiles.
-template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM = fp8_block_m, bool Overlap = false>
+template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM = fp8_block_m,
+          fp8_k_loop Loop = fp8_k_loop::plain>
 void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uint8_t* b, int num_experts,
                                const tile_schedule& schedule, const device_facts& dev, cudaStream_t stream,
                                bool dependent_launch = false) {
   constexpr const char* where = "gpu::launch_moe_gemm_wgmma_fp8";
-  using tile_t = kernels::moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Overlap>;
+  using tile_t = kernels::moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Loop>;
   kernels::moe_gemm_params<T>& g = p.g;
   MOE_EXPECT(schedule.block_m == tile_t::schedule_block_m, where, "the tile schedule was built for another block_m");
   if (!wgmma_gemm_available(dev))
@@ -96,7 +97,7 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
              "only the gated GEMM1 reads interleaved gate/up rows");
   const CUtensorMap map =
       weight_tensor_map(b, g.b_rows_per_expert, g.n, g.k, num_experts, g.interleaved, tile_t::box_rows);
-  const int places = prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Overlap>(dev);
+  const int places = prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop>(dev);
   const std::int64_t n_tiles = (g.n + tile_t::out_cols - 1) / tile_t::out_cols;
   const bool may_split = Kind == kernels::moe_gemm_kind::down && (g.store == kernels::down_store::accumulate ||
                                                                    g.store == kernels::down_store::partials);
@@ -110,7 +111,7 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
   g.tiles = schedule.tiles;
   g.tile_count = schedule.count;
   g.n_tiles = static_cast<int>(n_tiles);
-  launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Overlap>,
+  launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop>,
                             dim3(static_cast<unsigned>(clusters * Cluster)), dim3(tile_t::threads), tile_t::smem_bytes,
                             stream, dependent_launch, Cluster, p, map);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_fp8_kernel");

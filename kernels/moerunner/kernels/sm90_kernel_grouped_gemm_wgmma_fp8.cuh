@@ -27,10 +27,13 @@
 // consumer then adds into its f32 accumulators times the row's A scale and the block's B scale
 // (the promotion DeepSeek-V3's report describes): the reduced-precision sums span 128 products,
 // never the whole K. Both warpgroups wait on the same stage, so they tend to promote at the same
-// time, with the tensor pipe idle (Mixtral-8x7B 4096's GEMM1: 39% busy). With Overlap (64-row
-// CTAs, on request) each keeps two sums and K tile kt + 1's wgmma run while kt's are promoted
-// (k_loop_overlapped); it measured slower at prefill (bench/NOTES.md, round 15): the faster
-// consumers let the CTAs sharing each weight tile drift apart, and L2 served fewer of its reads.
+// time, with the tensor pipe idle (Mixtral-8x7B 4096's GEMM1: 39% busy). Two K loops address
+// that, each only on request (gpu::fp8_k_loop): overlap (64-row CTAs) keeps two sums, K tile
+// kt + 1's wgmma running while kt's are promoted (k_loop_overlapped); it measured slower at
+// prefill (bench/NOTES.md, round 15): the faster consumers let the CTAs sharing each weight tile
+// drift apart, and L2 served fewer of its reads. stagger has the warpgroups take turns to issue
+// each block's wgmma (two named barriers), so that one promotes while the other's run, with the
+// registers of the plain loop.
 //
 // The producer copies per stage: the B boxes by TMA (thread 0), the gathered A rows by 16-byte
 // cp.async (every thread, as the 16-bit kernel), each row's A scale of the K tile and the
@@ -88,7 +91,8 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-template <class T, moe_gemm_kind Kind, int Cluster, int BlockM = gpu::fp8_block_m, bool Overlap = false>
+template <class T, moe_gemm_kind Kind, int Cluster, int BlockM = gpu::fp8_block_m,
+          gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain>
 struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   using shape = wgmma_fp8_shape<BlockM>;
   using shape::a_bytes, shape::b_bytes, shape::block_k, shape::block_m, shape::block_n, shape::consumers,
@@ -96,7 +100,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   static_assert(Cluster == 1 || Cluster == 2, "CTAs run alone or in pairs along M");
   static constexpr bool tall = BlockM == gpu::fp8_large_block_m;  // warpgroups on rows of their own
   static_assert(!tall || Cluster == 1, "128-row CTAs run alone");
-  static_assert(!tall || !Overlap, "the overlapped promotion is written for 64-row tiles");
+  static constexpr bool overlap = Loop == gpu::fp8_k_loop::overlap, stagger = Loop == gpu::fp8_k_loop::stagger;
+  // (128-row tiles: a staggered gate_up spilled, and the overlap needs 128 more registers.)
+  static_assert(!tall || Loop == gpu::fp8_k_loop::plain, "the overlapped and staggered K loops are for 64-row tiles");
   static constexpr int bm = block_m, bn = block_n, bk = block_k, cluster = Cluster;
   static constexpr int blocks = tall ? 2 : 1;  // 128-row B blocks per warpgroup
   static constexpr int schedule_block_m = block_m * Cluster;
@@ -112,8 +118,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   static constexpr int a_passes = bm / rows_per_pass;                      // 4 or 8
   static constexpr int k_steps = bk / 32;                                  // wgmma per K tile
   // A consumer thread holds 128 accumulators and a block's 64-register sum (128-row tiles), 64
-  // accumulators and one sum (64-row tiles), or 64 and two sums (Overlap).
-  static constexpr bool lean_producer = tall || Overlap;
+  // accumulators and one sum (64-row tiles), or 64 and two sums (overlap).
+  static constexpr bool lean_producer = tall || overlap;
   static constexpr int producer_regs = lean_producer ? 40 : 56, consumer_regs = lean_producer ? 232 : 216;
   // setmaxnreg moves registers within what the CTA got at launch: 168 per thread for 384
   // threads (launch bounds of one CTA per SM).
@@ -125,6 +131,16 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     std::uint64_t full[stages];
     std::uint64_t empty[stages];
   };
+
+  // stagger: named barriers 2 and 3 (0 is __syncthreads', 1 the gate_up epilogue's exchange) are
+  // the warpgroups' turns; each counts both warpgroups (one waits, the other arrives).
+  static constexpr int turn_barrier = 2;
+  __device__ __forceinline__ static void named_barrier_sync(int id) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(128 * consumers) : "memory");
+  }
+  __device__ __forceinline__ static void named_barrier_arrive(int id) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(128 * consumers) : "memory");
+  }
 
   // The first output column of B box `box` of the tile at output column n0, and the half it is in
   // (gate_up: warpgroup box / 2, half box % 2).
@@ -241,7 +257,12 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     const int row_base = tall ? 64 * group : 0, first_block = tall ? 0 : group;
     std::uint32_t it = 0;
     int exchange = 0;  // which half of amax_exchange this item uses (see the gate_up epilogue)
-    float acc[64 * blocks], part[Overlap ? 1 : 64];  // Overlap: the sums are k_loop_overlapped's
+    // stagger: warpgroup 0 issues first; each then waits on its own turn barrier and passes the
+    // other's. The two run the same blocks in the same order, so the turns pair up; warpgroup 0
+    // takes the last pass after the loop (no barrier is left half arrived at exit).
+    if constexpr (stagger)
+      if (group == 1) named_barrier_arrive(turn_barrier);
+    float acc[64 * blocks], part[overlap ? 1 : 64];  // overlap: the sums are k_loop_overlapped's
     for (std::int64_t w = me.first; w < work; w += me.stride) {
       const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
       const int n0 = item.n_tile * out_cols;
@@ -254,7 +275,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       split_k_range(k_tiles, item.split, g.k_splits, kt_begin, kt_end);
 #pragma unroll
       for (int i = 0; i < 64 * blocks; ++i) acc[i] = 0.0f;
-      if constexpr (Overlap) {
+      if constexpr (overlap) {
         if (kt_begin < kt_end)
           k_loop_overlapped(bars, ring, ring_addr, it, kt_end - kt_begin, first_block, r0_of(row_base, warp, lane),
                             per_channel, lane, static_cast<std::uint32_t>(me.rank ^ 1), acc);
@@ -274,7 +295,22 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
 #pragma unroll
           for (int blk = 0; blk < blocks; ++blk) {
             const int b = first_block + blk;
-            if (active) {
+            if constexpr (stagger) {
+              // This warpgroup's turn, then the other's: nothing branches between the wgmma and
+              // their wait (ptxas would serialize them), so a warpgroup without rows multiplies
+              // whatever the stage holds (never stored).
+              named_barrier_sync(turn_barrier + group);
+              const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + b * 128 * bk);
+              wgmma_fence();
+#pragma unroll
+              for (int kk = 0; kk < k_steps; ++kk) {
+                const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
+                wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
+              }
+              wgmma_commit();
+              named_barrier_arrive(turn_barrier + (group ^ 1));
+              wgmma_wait<0>();
+            } else if (active) {
               const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + b * 128 * bk);
               wgmma_fence();
 #pragma unroll
@@ -327,6 +363,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         exchange ^= 1;
       }
     }
+    if constexpr (stagger)
+      if (group == 0) named_barrier_sync(turn_barrier);
   }
 
   // The first of the thread's two rows in the tile (the other is 8 below).
@@ -334,7 +372,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     return row_base + 16 * warp + lane / 4;
   }
 
-  // Overlap: one item's n K tiles (the CTA's K tiles it .. it + n - 1), K tile kt + 1's wgmma
+  // overlap: one item's n K tiles (the CTA's K tiles it .. it + n - 1), K tile kt + 1's wgmma
   // running while kt's sums are promoted, into the other of two sum blocks. kt's stage is
   // released as soon as its wgmma are done, before kt + 1's start. The loop goes in pairs so
   // that every path into and out of it has the same group in flight (kt's, in `sums_a`): ptxas
@@ -540,11 +578,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
 // Persistent CTAs over work items in decode_work_item's order, K split into g.k_splits ranges
 // (GEMM2 into the output or f32 parts only). The body exists only in sm_90a code; elsewhere it
 // traps (the launch code checks first).
-template <class T, moe_gemm_kind Kind, int Cluster, int BlockM, bool Overlap = false>
+template <class T, moe_gemm_kind Kind, int Cluster, int BlockM, gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain>
 __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
     moe_grouped_gemm_wgmma_fp8_kernel(const moe_gemm_fp8_params<T> p, const __grid_constant__ CUtensorMap b_map) {
 #if MOERUNNER_WGMMA_COMPILED
-  using tile_t = moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Overlap>;
+  using tile_t = moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Loop>;
   __shared__ typename tile_t::barriers bars;
   __shared__ float amax_exchange[2][tile_t::consumers][tile_t::block_m];
   extern __shared__ unsigned char wgmma_fp8_smem_raw[];

@@ -5,8 +5,8 @@
 // Pipeline, all on the caller's stream, nothing on the host in between (CUDA-graph capturable):
 //   routing plan and M-tile schedule (the plan kernel, as cuda_fused): tiles of 64 rows, or of
 //      128 for pairs of CTAs sharing each weight tile where experts average more than 2048 rows
-//      (or for 128-row CTAs, on request: set_tall; on request too, set_overlap, 64-row CTAs
-//      promote one K tile's sums while the next one's wgmma run)
+//      (or for 128-row CTAs, on request: set_tall; on request too, set_k_loop, the 64-row CTAs'
+//      overlapped or staggered K loops, gpu::fp8_k_loop)
 //   -> the input rows quantized per token in groups of 128 into the workspace (e4m3 + an f32
 //      scale per group), unless hidden_states come as e4m3 with hidden_scales
 //   -> GEMM1: e4m3 x rows gathered inside the load, times w13[e]^T on fp8 wgmma, each 128-K
@@ -85,13 +85,13 @@ class cuda_fused_fp8_policy {
   gpu::fp8_plan plan(std::int64_t num_tokens, const gpu::device_target& dev) const {
     return gpu::make_fp8_plan(cfg_, num_tokens, dev, settings_);
   }
-  // Force the stream GEMMs, pairs of wgmma CTAs, 128-row wgmma CTAs or the overlapped promotion
-  // on or off, or the wgmma GEMMs' raster band (unset: the plan's rules), for measuring one
-  // against the other (gpu::fp8_settings).
+  // Force the stream GEMMs, pairs of wgmma CTAs or 128-row wgmma CTAs on or off, or the wgmma
+  // GEMMs' K loop or raster band (unset: the plan's rules), for measuring one against the other
+  // (gpu::fp8_settings).
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
   void set_tall(std::optional<bool> on) noexcept { settings_.tall = on; }
-  void set_overlap(std::optional<bool> on) noexcept { settings_.overlap = on; }
+  void set_k_loop(std::optional<gpu::fp8_k_loop> loop) noexcept { settings_.k_loop = loop; }
   void set_raster_band(std::optional<int> band) {
     if (band && *band < 1)
       throw invalid_argument_error("cuda_fused_fp8_policy::set_raster_band: the band must be positive, got " +
@@ -273,25 +273,32 @@ class cuda_fused_fp8_policy {
     } else {
       const std::uint8_t* w13 = q.w13;
       const std::uint8_t* w2 = q.w2;
-      const auto gemms = [&]<int Cluster, int BlockM, bool Overlap>() {
+      const auto gemms = [&]<int Cluster, int BlockM, gpu::fp8_k_loop Loop>() {
         if (cfg_.is_gated())
-          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up, Cluster, BlockM, Overlap>(g1, w13, experts,
+          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up, Cluster, BlockM, Loop>(g1, w13, experts,
                                                                                               schedule, dev, stream);
         else
-          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster, BlockM, Overlap>(g1, w13, experts,
+          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster, BlockM, Loop>(g1, w13, experts,
                                                                                               schedule, dev, stream);
-        gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, Overlap>(g2, w2, experts, schedule,
+        gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, Loop>(g2, w2, experts, schedule,
                                                                                         dev, stream);
       };
+      // 64-row CTAs alone or in pairs, with the plan's K loop; 128-row CTAs with the plain one.
+      const auto m64 = [&]<int Cluster>() {
+        using gpu::fp8_k_loop;
+        constexpr int bm = gpu::fp8_block_m;
+        switch (pl.k_loop) {
+          case fp8_k_loop::overlap: gemms.template operator()<Cluster, bm, fp8_k_loop::overlap>(); break;
+          case fp8_k_loop::stagger: gemms.template operator()<Cluster, bm, fp8_k_loop::stagger>(); break;
+          default: gemms.template operator()<Cluster, bm, fp8_k_loop::plain>();
+        }
+      };
       switch (pl.tile) {
-        case gpu::fp8_tile::m64x2:
-          if (pl.overlap) gemms.template operator()<2, gpu::fp8_block_m, true>();
-          else gemms.template operator()<2, gpu::fp8_block_m, false>();
+        case gpu::fp8_tile::m64x2: m64.template operator()<2>(); break;
+        case gpu::fp8_tile::m128:
+          gemms.template operator()<1, gpu::fp8_large_block_m, gpu::fp8_k_loop::plain>();
           break;
-        case gpu::fp8_tile::m128: gemms.template operator()<1, gpu::fp8_large_block_m, false>(); break;
-        default:
-          if (pl.overlap) gemms.template operator()<1, gpu::fp8_block_m, true>();
-          else gemms.template operator()<1, gpu::fp8_block_m, false>();
+        default: m64.template operator()<1>();
       }
     }
     gpu::combine_down(g2.g, plan, row_weights, scale, out, stream, dependent);
