@@ -300,25 +300,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
               // their wait (ptxas would serialize them), so a warpgroup without rows multiplies
               // whatever the stage holds (never stored).
               named_barrier_sync(turn_barrier + group);
-              const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + b * 128 * bk);
-              wgmma_fence();
-#pragma unroll
-              for (int kk = 0; kk < k_steps; ++kk) {
-                const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
-                wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
-              }
-              wgmma_commit();
+              mma_block(part, da, sa, b);
               named_barrier_arrive(turn_barrier + (group ^ 1));
               wgmma_wait<0>();
             } else if (active) {
-              const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + b * 128 * bk);
-              wgmma_fence();
-#pragma unroll
-              for (int kk = 0; kk < k_steps; ++kk) {
-                const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
-                wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
-              }
-              wgmma_commit();
+              mma_block(part, da, sa, b);
               wgmma_wait<0>();
             }
             wgmma_fence_operands(part);
@@ -365,6 +351,19 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     }
     if constexpr (stagger)
       if (group == 0) named_barrier_sync(turn_barrier);
+  }
+
+  // Block b's four m64n128k32 over the K tile of the stage at `sa` (A descriptor da) into `part`
+  // (scale-d 0 on the first), one commit group.
+  __device__ __forceinline__ static void mma_block(float (&part)[64], std::uint64_t da, std::uint32_t sa, int b) {
+    const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + b * 128 * bk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < k_steps; ++kk) {
+      const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
+      wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
+    }
+    wgmma_commit();
   }
 
   // The first of the thread's two rows in the tile (the other is 8 below).
