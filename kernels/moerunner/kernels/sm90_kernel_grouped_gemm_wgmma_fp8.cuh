@@ -321,12 +321,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
               }
             }
             if (!active) continue;
-            // Register 4j + 2h + q: row r0 + 8h, column 8j + 2(lane % 4) + q of the block's 128
-            // B rows (gate_up: j < 8 gate rows, j >= 8 their up rows).
             const float f[2][2] = {{sa0 * sb0, sa0 * sb1}, {sa1 * sb0, sa1 * sb1}};
-#pragma unroll
-            for (int i = 0; i < 64; ++i)
-              acc[64 * blk + i] = fmaf(part[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[64 * blk + i]);
+            promote(part, f, acc, blk);
           }
         }
       }
@@ -364,6 +360,16 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       wgmma_m64n128k32_e4m3(part, da + step, db + step, kk);
     }
     wgmma_commit();
+  }
+
+  // Block blk's accumulators += one K tile's sums times their factors f[h][c] (the row scale of
+  // row r0 + 8h times the B scale of the block's first, c = 0, or last 64 B rows). Register
+  // 4j + 2h + q: row r0 + 8h, column 8j + 2(lane % 4) + q of the block's 128 B rows (gate_up:
+  // j < 8 gate rows, j >= 8 their up rows).
+  __device__ __forceinline__ static void promote(const float (&sums)[64], const float (&f)[2][2],
+                                                 float (&acc)[64 * blocks], int blk) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[64 * blk + i] = fmaf(sums[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[64 * blk + i]);
   }
 
   // The first of the thread's two rows in the tile (the other is 8 below).
@@ -414,30 +420,25 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       wgmma_fence_operands(sums);
       mbarrier_arrive_where<Cluster == 2>(lane == 0, &bars.empty[i % stages], peer);
     };
-    // Register 4j + 2h + q: row r0 + 8h, column 8j + 2(lane % 4) + q of the block's 128 B rows.
-    const auto promote = [&](const float(&sums)[64], const float(&f)[2][2]) {
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = fmaf(sums[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[i]);
-    };
     issue(it, sums_a, f_a);
     int j = 1;
     for (; j + 1 < n; j += 2, it += 2) {
       retire(it, sums_a);
       issue(it + 1, sums_b, f_b);
-      promote(sums_a, f_a);
+      promote(sums_a, f_a, acc, 0);
       retire(it + 1, sums_b);
       issue(it + 2, sums_a, f_a);
-      promote(sums_b, f_b);
+      promote(sums_b, f_b, acc, 0);
     }
     retire(it, sums_a);
     if (j < n) {
       issue(it + 1, sums_b, f_b);
-      promote(sums_a, f_a);
+      promote(sums_a, f_a, acc, 0);
       retire(it + 1, sums_b);
-      promote(sums_b, f_b);
+      promote(sums_b, f_b, acc, 0);
       it += 2;
     } else {
-      promote(sums_a, f_a);
+      promote(sums_a, f_a, acc, 0);
       it += 1;
     }
   }

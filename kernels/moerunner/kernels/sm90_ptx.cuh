@@ -250,7 +250,6 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(std::uint64_t* bar, std:
 #endif
 }
 
-
 // One arrival on this CTA's `bar` (and with Peer on the same barrier of cluster CTA `rank`), made
 // by the threads where `p` holds as predicated instructions: ptxas counts a branch as a divergent
 // path, and serializes wgmma whose groups are in flight across one.
