@@ -53,16 +53,17 @@ double round_to_e4m3(double x) {
   return std::copysign(r, x);
 }
 
-// Per-group fp8 quantization of an activation vector: scale = amax/448 (an f32), each value
-// divided by it in f32, rounded to e4m3, multiplied back.
+// Per-group fp8 quantization of an activation vector: scale = amax/448 (an f32, at least 2^-126),
+// each value as an f32 times the f32 reciprocal of the scale, rounded to e4m3, multiplied back.
 void quantize_groups(std::vector<double>& v) {
   for (std::size_t g = 0; g < v.size(); g += 128) {
     const std::size_t end = std::min(v.size(), g + 128);
     double amax = 0.0;
     for (std::size_t i = g; i < end; ++i) amax = std::max(amax, std::fabs(v[i]));
     if (amax == 0.0) continue;
-    const float scale = static_cast<float>(amax / 448.0);
-    for (std::size_t i = g; i < end; ++i) v[i] = round_to_e4m3(static_cast<float>(v[i] / scale)) * scale;
+    const float scale = std::max(static_cast<float>(amax / 448.0), 0x1p-126f);
+    const float inverse = 1.0f / scale;
+    for (std::size_t i = g; i < end; ++i) v[i] = round_to_e4m3(static_cast<float>(v[i]) * inverse) * scale;
   }
 }
 
@@ -365,6 +366,29 @@ TEST_CASE("fp8 rounding written here agrees with the format on every code") {
   CHECK(round_to_e4m3(-500.0) == -448.0);
   CHECK(v[126] == 448.0);
   CHECK(v[1] == std::ldexp(1.0, -9));
+}
+
+TEST_CASE("fp8 groups of tiny values: the scale floor keeps zeros zero and nothing NaN") {
+  // amax / 448 below 2^-126 (down to where it would round to 0 in f32 and 0 / 0 gave NaN): the
+  // scale is 2^-126, so 1 / scale is finite. The reference's rule and the one written here agree
+  // value for value, on tiny groups and on a normal one beside them.
+  std::vector<double> v(4 * 128, 0.0);
+  for (int i = 1; i < 128; i += 2) v[i] = std::ldexp(static_cast<double>(i), -160);        // f32 subnormals
+  for (int i = 128; i < 256; i += 3) v[i] = std::ldexp(-static_cast<double>(i), -140);    // amax / 448 < 2^-146
+  for (int i = 256; i < 384; ++i) v[i] = std::ldexp(1.0 + i % 7, -130);                    // amax / 448 ~ 2^-136
+  for (int i = 384; i < 512; ++i) v[i] = 0.01 * (i - 448);                                  // normal
+  std::vector<double> got = v, want = v;
+  mr::reference::fp8_group_roundtrip(got);
+  quantize_groups(want);
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    CAPTURE(i);
+    CHECK(std::isfinite(got[i]));
+    CHECK(got[i] == want[i]);
+    if (v[i] == 0.0) CHECK(got[i] == 0.0);
+  }
+  // 2^-130 over a group whose amax is 7 * 2^-130: times 2^126 it is 2^-4, an e4m3 value, so it
+  // comes back exactly.
+  CHECK(got[259] == std::ldexp(1.0, -130));  // 259 % 7 == 0
 }
 
 TEST_CASE("the host conversions the inputs are built with are exact") {

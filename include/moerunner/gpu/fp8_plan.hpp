@@ -44,8 +44,8 @@ inline constexpr std::int64_t fp8_large_tile_min_rows = 2048;
 // while kt's sums are promoted (overlap: two sum blocks); or the two warpgroups take turns to
 // issue (stagger: one promotes while the other's wgmma run); either on 64-row CTAs alone or in
 // pairs. Only plain unless asked (fp8_settings::k_loop): overlap measured 9-34% slower at
-// prefill on an H100, the weight tiles' L2 reuse lost as the CTAs that share them drifted apart;
-// stagger is not measured yet. bench/NOTES.md, round 15.
+// prefill on an H100, the weight tiles' L2 reuse lost as the CTAs that share them drifted apart
+// (bench/NOTES.md, round 15); stagger 0-22% slower, alone or in pairs (round 16).
 enum class fp8_k_loop : std::uint8_t { plain, overlap, stagger };
 inline constexpr const char* fp8_k_loop_name(fp8_k_loop l) {
   return l == fp8_k_loop::plain ? "plain" : l == fp8_k_loop::overlap ? "overlapped" : "staggered";

@@ -31,14 +31,52 @@ __device__ __forceinline__ float swiglu_clamped(float gate, float up, float alph
   return sigmoid_mul((u + 1.0f) * g, alpha * g);
 }
 
+// The activation of one kind as a callable (gate, up) -> value; `up` is unused when !gated.
+template <activation_kind Kind>
+struct activation_fn {
+  bool gated;
+  float alpha, limit;  // swiglu_clamped's
+  __device__ __forceinline__ float operator()(float gate, float up) const {
+    if constexpr (Kind == activation_kind::silu) return gated ? silu(gate) * up : silu(gate);
+    else if constexpr (Kind == activation_kind::gelu) return gated ? gelu(gate) * up : gelu(gate);
+    else return swiglu_clamped(gate, up, alpha, limit);
+  }
+};
+
+// Any kind, chosen per value: a branch on the kind around each one.
+struct activation_any {
+  activation a;
+  bool gated;
+  __device__ __forceinline__ float operator()(float gate, float up) const {
+    switch (a.kind) {
+      case activation_kind::silu: return activation_fn<activation_kind::silu>{gated, a.alpha, a.limit}(gate, up);
+      case activation_kind::gelu: return activation_fn<activation_kind::gelu>{gated, a.alpha, a.limit}(gate, up);
+      case activation_kind::swiglu_clamped:
+        return activation_fn<activation_kind::swiglu_clamped>{gated, a.alpha, a.limit}(gate, up);
+    }
+    return 0.0f;
+  }
+};
+
+// Calls f(fn) with a callable for a's kind, so that a loop over many values inside f has no
+// branch on the kind per value: ptxas does not hoist the switch out of an unrolled loop, and
+// GEMM1's wgmma epilogues carried a three-way branch around every value (bench/NOTES.md, round
+// 16). gelu keeps the per-value branch (activation_any): its erfcf evaluated over many values
+// at once spilled beside the wgmma kernels' accumulators, and the branch keeps one live.
+template <class F>
+__device__ __forceinline__ void with_activation(const activation& a, bool gated, F&& f) {
+  switch (a.kind) {
+    case activation_kind::silu: f(activation_fn<activation_kind::silu>{gated, a.alpha, a.limit}); return;
+    case activation_kind::swiglu_clamped:
+      f(activation_fn<activation_kind::swiglu_clamped>{gated, a.alpha, a.limit});
+      return;
+    case activation_kind::gelu: f(activation_any{a, gated}); return;
+  }
+}
+
 // gate/up -> one intermediate value; `up` is unused when !gated.
 __device__ __forceinline__ float apply_activation(const activation& a, bool gated, float gate, float up) {
-  switch (a.kind) {
-    case activation_kind::silu: return gated ? silu(gate) * up : silu(gate);
-    case activation_kind::gelu: return gated ? gelu(gate) * up : gelu(gate);
-    case activation_kind::swiglu_clamped: return swiglu_clamped(gate, up, a.alpha, a.limit);
-  }
-  return 0.0f;
+  return activation_any{a, gated}(gate, up);
 }
 
 }  // namespace moerunner::kernels

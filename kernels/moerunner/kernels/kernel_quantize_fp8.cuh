@@ -1,10 +1,13 @@
 // Device code of fp8 e4m3 group quantization: rows cut into groups of 128 consecutive values,
 // each stored as e4m3 with one f32 scale. One rule for every place that quantizes (the input
 // rows here, GEMM1's act in the fp8 GEMM's epilogue), the rule the reference mirrors
-// (reference_policy.hpp, fp8_group_roundtrip): scale = amax / 448 (1 where amax is 0; NaN values
-// do not count towards amax), q = e4m3(v / scale) rounded to nearest even and saturated to
-// +-448 (NaN stays NaN). Dividing by the scale rather than multiplying by 448 / amax keeps the
-// result the host's bit for bit.
+// (reference_policy.hpp, fp8_group_roundtrip): scale = amax / 448 (1 where amax is 0, 2^-126
+// where the quotient is smaller; NaN values do not count towards amax), q = e4m3(v * (1 / scale))
+// rounded to nearest even and saturated to +-448 (NaN stays NaN); each operation an f32 one,
+// rounded to nearest, so the host computes the same bits. One reciprocal per group and a
+// multiplication per value: an IEEE division per value (a refinement and a slow-path branch)
+// took ~10 instructions of GEMM1's epilogue per act value (bench/NOTES.md, round 16). The
+// 2^-126 floor keeps 1 / scale finite, so a group of tiny values never multiplies 0 by inf.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -25,13 +28,19 @@ namespace moerunner::kernels {
 inline constexpr int fp8_group = fp8_block_quant_info::group;
 inline constexpr float fp8_e4m3_max = 448.0f;
 
+inline constexpr float fp8_min_scale = 1.17549435e-38f;  // 2^-126, the smallest normal f32
+
 __device__ __forceinline__ float fp8_group_scale(float amax) {
-  return amax > 0.0f ? __fdiv_rn(amax, fp8_e4m3_max) : 1.0f;
+  return amax > 0.0f ? fmaxf(__fdiv_rn(amax, fp8_e4m3_max), fp8_min_scale) : 1.0f;
 }
 
-// Two values divided by their group's scale, as two e4m3 bytes (lo at the lower address).
-__device__ __forceinline__ std::uint16_t fp8_pack2(float lo, float hi, float scale) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(lo, scale), __fdiv_rn(hi, scale)), __NV_SATFINITE, __NV_E4M3);
+// What the group's values are multiplied by (at most 2^126: finite).
+__device__ __forceinline__ float fp8_group_inverse(float scale) { return __frcp_rn(scale); }
+
+// Two values times their group's inverse scale, as two e4m3 bytes (lo at the lower address).
+__device__ __forceinline__ std::uint16_t fp8_pack2(float lo, float hi, float inverse) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(lo, inverse), __fmul_rn(hi, inverse)), __NV_SATFINITE,
+                                  __NV_E4M3);
 }
 
 // One warp per group of 128 (4 values per lane, one load each): q [rows, h] e4m3 and scales
@@ -59,9 +68,9 @@ __global__ void quantize_rows_fp8_kernel(const T* __restrict__ x, std::int64_t g
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float scale = fp8_group_scale(amax);
-  const std::uint32_t packed = static_cast<std::uint32_t>(fp8_pack2(f[0], f[1], scale)) |
-                               (static_cast<std::uint32_t>(fp8_pack2(f[2], f[3], scale)) << 16);
+  const float scale = fp8_group_scale(amax), inverse = fp8_group_inverse(scale);
+  const std::uint32_t packed = static_cast<std::uint32_t>(fp8_pack2(f[0], f[1], inverse)) |
+                               (static_cast<std::uint32_t>(fp8_pack2(f[2], f[3], inverse)) << 16);
   *reinterpret_cast<std::uint32_t*>(q + first) = packed;
   if (lane == 0) scales[group] = scale;
 }

@@ -33,7 +33,8 @@
 // prefill (bench/NOTES.md, round 15): the faster consumers let the CTAs sharing each weight tile
 // drift apart, and L2 served fewer of its reads. stagger has the warpgroups take turns to issue
 // each block's wgmma (two named barriers), so that one promotes while the other's run, with the
-// registers of the plain loop.
+// registers of the plain loop; it measured 0-22% slower (round 16). The K loop is not all of the
+// time: with no loads at all GEMM1 took as long as with them, ~30% of it in its epilogue.
 //
 // The producer copies per stage: the B boxes by TMA (thread 0), the gathered A rows by 16-byte
 // cp.async (every thread, as the 16-bit kernel), each row's A scale of the K tile and the
@@ -341,7 +342,13 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
               g, tile, n0 + 128 * (first_block + blk), item.split, row_base, warp, lane,
               [&](int j, int i) { return acc[64 * blk + 4 * j + i]; }, [&](int, int) { return 0.0f; });
       } else {
-        store_act(p, tile, n0, first_block, row_base, warp, lane, acc, amax_exchange[exchange], group);
+        const auto store = [&](const auto& act) {
+          store_act(p, act, tile, n0, first_block, row_base, warp, lane, acc, amax_exchange[exchange], group);
+        };
+        // One epilogue per activation kind, except where registers are short (128-row tiles, the
+        // overlapped loop: three copies spilled): there the kind is chosen per value.
+        if constexpr (lean_producer) store(activation_any{g.act, halves == 2});
+        else with_activation(g.act, halves == 2, store);
         exchange ^= 1;
       }
     }
@@ -467,16 +474,18 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         }
   }
 
-  // GEMM1's epilogue: the warpgroup's act values of rows row_base + r0 and r0 + 8 over its
-  // blocks, quantized per 128 columns. gate_up: the CTA's 128 columns are 64 of each block; with
-  // 128-row tiles one thread holds both, else each warpgroup one and their amax meet in
-  // `exchange` (both warpgroups run every item, so the named barrier sees all 256 threads).
-  // Alternating halves of amax_exchange per item keep a warpgroup's next writes off the other's
-  // reads: writing half e again needs the barrier of the item between, which the other passes
-  // only after its reads of half e. up_only: each block's 128 columns are a group of their own.
-  __device__ __forceinline__ static void store_act(const moe_gemm_fp8_params<T>& p, const gpu::moe_m_tile& tile,
-                                                   int n0, int first_block, int row_base, int warp, int lane,
-                                                   const float (&acc)[64 * blocks],
+  // GEMM1's epilogue: the warpgroup's act values (act: a callable of activation_math.cuh) of
+  // rows row_base + r0 and r0 + 8 over its blocks, quantized per 128 columns. gate_up: the CTA's
+  // 128 columns are 64 of each block; with 128-row tiles one thread holds both, else each
+  // warpgroup one and their amax meet in `exchange` (both warpgroups run every item, so the
+  // named barrier sees all 256 threads). Alternating halves of amax_exchange per item keep a
+  // warpgroup's next writes off the other's reads: writing half e again needs the barrier of the
+  // item between, which the other passes only after its reads of half e. up_only: each block's
+  // 128 columns are a group of their own.
+  template <class Act>
+  __device__ __forceinline__ static void store_act(const moe_gemm_fp8_params<T>& p, const Act& act,
+                                                   const gpu::moe_m_tile& tile, int n0, int first_block,
+                                                   int row_base, int warp, int lane, const float (&acc)[64 * blocks],
                                                    float (&exchange)[consumers][block_m], int group) {
     const moe_gemm_params<T>& g = p.g;
     constexpr int cols = halves == 2 ? 64 : 128;  // act columns of one block
@@ -490,11 +499,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     };
     const auto act_at = [&](int blk, int h, int j, int q, float weight) {
       const float s = acc[64 * blk + 4 * j + 2 * h + q] * weight;
-      if constexpr (halves == 2) {
-        return apply_activation(g.act, true, s, acc[64 * blk + 4 * (j + 8) + 2 * h + q] * weight);
-      } else {
-        return apply_activation(g.act, false, s, 0.0f);
-      }
+      if constexpr (halves == 2) return act(s, acc[64 * blk + 4 * (j + 8) + 2 * h + q] * weight);
+      else return act(s, 0.0f);
     };
     // The values stay in registers (gate_up: 2 x 16 per block), except up_only's beside 128
     // accumulators or the overlapped K loop's two sums (2 x 32 per block: they spilled), formed
@@ -531,7 +537,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         const int r = row_base + 16 * warp + lane / 4 + 8 * h;
         if (r >= rows) continue;
         const std::int64_t row = tile.row_begin + r;
-        const float scale = fp8_group_scale(amax[blk][h]);
+        const float scale = fp8_group_scale(amax[blk][h]), inverse = fp8_group_inverse(scale);
         const float weight = keep ? 1.0f : row_weight(h);
         std::uint8_t* dst = p.act + row * g.n + col_base + 2 * (lane % 4);
 #pragma unroll
@@ -542,7 +548,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
             if constexpr (keep) x[q] = v[blk][h][2 * j + q];
             else x[q] = act_at(blk, h, j, q, weight);
           }
-          *reinterpret_cast<std::uint16_t*>(dst + 8 * j) = fp8_pack2(x[0], x[1], scale);
+          *reinterpret_cast<std::uint16_t*>(dst + 8 * j) = fp8_pack2(x[0], x[1], inverse);
         }
         if (lane % 4 == 0 && (halves == 1 || first_block + blk == 0))
           p.act_scale[row * scales_per_row + (halves == 2 ? n0 : col_base) / fp8_group] = scale;

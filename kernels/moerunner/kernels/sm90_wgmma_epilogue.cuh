@@ -107,20 +107,22 @@ struct wgmma_epilogue {
         T* out = p.c + static_cast<std::int64_t>(row) * p.n;
         // act(W (w x) + b) = act(w (W x) + b): the router weight scales the f32 accumulators instead of x.
         const float scale = p.input_weights != nullptr ? p.input_weights[p.row_to_slot[row]] : 1.0f;
+        constexpr bool gated = Kind == moe_gemm_kind::gate_up;
+        with_activation(p.act, gated, [&](const auto& act) {
 #pragma unroll
-        for (int j = 0; j < Blocks; ++j) {
-          const int col = col0 + 8 * j;
-          if (col >= p.n) continue;
-          float v[2];
+          for (int j = 0; j < Blocks; ++j) {
+            const int col = col0 + 8 * j;
+            if (col >= p.n) continue;
+            float v[2];
 #pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            const float g = biased(value(j, 2 * h + q) * scale, 0, col + q);
-            if constexpr (Kind == moe_gemm_kind::gate_up)
-              v[q] = apply_activation(p.act, true, g, biased(up(j, 2 * h + q) * scale, 1, col + q));
-            else v[q] = apply_activation(p.act, false, g, 0.0f);
+            for (int q = 0; q < 2; ++q) {
+              const float g = biased(value(j, 2 * h + q) * scale, 0, col + q);
+              if constexpr (gated) v[q] = act(g, biased(up(j, 2 * h + q) * scale, 1, col + q));
+              else v[q] = act(g, 0.0f);
+            }
+            *reinterpret_cast<std::uint32_t*>(out + col) = mma_16816<T>::pack2(v[0], v[1]);
           }
-          *reinterpret_cast<std::uint32_t*>(out + col) = mma_16816<T>::pack2(v[0], v[1]);
-        }
+        });
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -21,16 +22,22 @@ namespace moerunner {
 
 namespace reference {
 
-// Quantizes `v` (length n) in groups of 128 to e4m3 with scale amax/448 and returns
-// the dequantized values: the activation path of every fp8 format.
+// Quantizes `v` (length n) in groups of 128 to e4m3 and returns the dequantized values: the
+// activation path of every fp8 format, by the GPU's rule (kernel_quantize_fp8.cuh): scale =
+// amax / 448 in f32 (at least 2^-126; 1 where amax is 0), each value as an f32 times the f32
+// reciprocal of the scale, rounded to e4m3.
 inline void fp8_group_roundtrip(std::vector<double>& v) {
   for (std::size_t g = 0; g < v.size(); g += 128) {
     const std::size_t end = std::min(v.size(), g + 128);
     double amax = 0.0;
     for (std::size_t i = g; i < end; ++i) amax = std::max(amax, std::fabs(v[i]));
-    const float scale = amax > 0.0 ? static_cast<float>(amax / 448.0) : 1.0f;
+    const float scale =
+        amax > 0.0 ? std::max(static_cast<float>(amax / 448.0), std::numeric_limits<float>::min()) : 1.0f;
+    const float inverse = 1.0f / scale;
     for (std::size_t i = g; i < end; ++i)
-      v[i] = static_cast<double>(host_float::e4m3_to_float(host_float::float_to_e4m3(static_cast<float>(v[i] / scale)))) * scale;
+      v[i] = static_cast<double>(host_float::e4m3_to_float(
+                 host_float::float_to_e4m3(static_cast<float>(v[i]) * inverse))) *
+             scale;
   }
 }
 
