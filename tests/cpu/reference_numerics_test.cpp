@@ -374,7 +374,7 @@ TEST_CASE("fp8 groups of tiny values: the scale floor keeps zeros zero and nothi
   // value for value, on tiny groups and on a normal one beside them.
   std::vector<double> v(4 * 128, 0.0);
   for (int i = 1; i < 128; i += 2) v[i] = std::ldexp(static_cast<double>(i), -160);        // f32 subnormals
-  for (int i = 128; i < 256; i += 3) v[i] = std::ldexp(-static_cast<double>(i), -140);    // amax / 448 < 2^-146
+  for (int i = 128; i < 256; i += 3) v[i] = std::ldexp(-static_cast<double>(i), -140);    // amax / 448 ~ 2^-141
   for (int i = 256; i < 384; ++i) v[i] = std::ldexp(1.0 + i % 7, -130);                    // amax / 448 ~ 2^-136
   for (int i = 384; i < 512; ++i) v[i] = 0.01 * (i - 448);                                  // normal
   std::vector<double> got = v, want = v;
