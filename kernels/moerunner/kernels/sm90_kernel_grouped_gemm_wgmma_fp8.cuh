@@ -296,6 +296,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
 #pragma unroll
           for (int blk = 0; blk < blocks; ++blk) {
             const int b = first_block + blk;
+            // The promotion's factors before the wgmma, so that their shared-memory reads wait in
+            // the wgmma's shadow rather than after it (each K tile's promotion waited on them).
+            const float sb0 = per_channel ? 1.0f : b_scale_s[b * halves];
+            const float sb1 = per_channel ? 1.0f : b_scale_s[b * halves + halves - 1];
+            const float f[2][2] = {{sa0 * sb0, sa0 * sb1}, {sa1 * sb0, sa1 * sb1}};
             if constexpr (stagger) {
               // This warpgroup's turn, then the other's: nothing branches between the wgmma and
               // their wait (ptxas would serialize them), so a warpgroup without rows multiplies
@@ -309,8 +314,6 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
               wgmma_wait<0>();
             }
             wgmma_fence_operands(part);
-            const float sb0 = per_channel ? 1.0f : b_scale_s[b * halves];
-            const float sb1 = per_channel ? 1.0f : b_scale_s[b * halves + halves - 1];
             if (blk == blocks - 1) {
               __syncwarp();
               // The stage is free again for this CTA's producer and, in a pair, for the peer's,
@@ -322,7 +325,6 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
               }
             }
             if (!active) continue;
-            const float f[2][2] = {{sa0 * sb0, sa0 * sb1}, {sa1 * sb0, sa1 * sb1}};
             promote(part, f, acc, blk);
           }
         }
