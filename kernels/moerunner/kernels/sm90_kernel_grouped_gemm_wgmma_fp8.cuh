@@ -291,16 +291,15 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
           const unsigned char* stage_ptr = ring + stage * stage_bytes;
           const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
           const float* b_scale_s = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
-          const int r0 = row_base + 16 * warp + lane / 4;
+          const int r0 = r0_of(row_base, warp, lane);
           const float sa0 = a_scales[r0], sa1 = a_scales[r0 + 8];
 #pragma unroll
           for (int blk = 0; blk < blocks; ++blk) {
             const int b = first_block + blk;
             // The promotion's factors before the wgmma, so that their shared-memory reads wait in
             // the wgmma's shadow rather than after it (each K tile's promotion waited on them).
-            const float sb0 = per_channel ? 1.0f : b_scale_s[b * halves];
-            const float sb1 = per_channel ? 1.0f : b_scale_s[b * halves + halves - 1];
-            const float f[2][2] = {{sa0 * sb0, sa0 * sb1}, {sa1 * sb0, sa1 * sb1}};
+            float f[2][2];
+            promotion_factors(b_scale_s, b, per_channel, sa0, sa1, f);
             if constexpr (stagger) {
               // This warpgroup's turn, then the other's: nothing branches between the wgmma and
               // their wait (ptxas would serialize them), so a warpgroup without rows multiplies
@@ -381,6 +380,16 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     for (int i = 0; i < 64; ++i) acc[64 * blk + i] = fmaf(sums[i], f[(i >> 1) & 1][i >= 32 ? 1 : 0], acc[64 * blk + i]);
   }
 
+  // The factors f[h][c] of block b's promotion: the row scales sa0, sa1 (rows r0 and r0 + 8)
+  // times the stage's scale of the block's first (c = 0) or last 64 B rows (1 per channel: the
+  // epilogue applies those).
+  __device__ __forceinline__ static void promotion_factors(const float* b_scales, int b, bool per_channel, float sa0,
+                                                           float sa1, float (&f)[2][2]) {
+    const float sb0 = per_channel ? 1.0f : b_scales[b * halves];
+    const float sb1 = per_channel ? 1.0f : b_scales[b * halves + halves - 1];
+    f[0][0] = sa0 * sb0, f[0][1] = sa0 * sb1, f[1][0] = sa1 * sb0, f[1][1] = sa1 * sb1;
+  }
+
   // The first of the thread's two rows in the tile (the other is 8 below).
   __device__ __forceinline__ static int r0_of(int row_base, int warp, int lane) {
     return row_base + 16 * warp + lane / 4;
@@ -408,10 +417,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       const unsigned char* stage_ptr = ring + stage * stage_bytes;
       const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
       const float* b_scales = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
-      const float sa0 = a_scales[r0], sa1 = a_scales[r0 + 8];
-      const float sb0 = per_channel ? 1.0f : b_scales[block * halves];
-      const float sb1 = per_channel ? 1.0f : b_scales[block * halves + halves - 1];
-      f[0][0] = sa0 * sb0, f[0][1] = sa0 * sb1, f[1][0] = sa1 * sb0, f[1][1] = sa1 * sb1;
+      promotion_factors(b_scales, block, per_channel, a_scales[r0], a_scales[r0 + 8], f);
       const std::uint32_t sa = ring_addr + stage * stage_bytes;
       const std::uint64_t da = sw128_kmajor_desc(sa), db = sw128_kmajor_desc(sa + a_bytes + block * 128 * bk);
       wgmma_fence();

@@ -105,52 +105,47 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], std::uint64_t de
 // takes), D = A*B + (scale_d ? D : 0) in f32: scale_d 0 starts a fresh sum without zeroing D.
 // The tensor cores sum fp8 products with fewer mantissa bits than f32 keeps; callers add each
 // 128-K block's sum into f32 registers themselves (see sm90_kernel_grouped_gemm_wgmma_fp8.cuh).
+// con is the accumulators' constraint: "+f" (D read and written), or "=f" for a sum's first wgmma
+// (scale-d 0): D declared written only, so a sum's registers are free from its last read to the
+// next sum's first wgmma (with "+f" they stay live through whatever lies between, an epilogue
+// included). scale is the scale-d operand.
+#define MOERUNNER_WGMMA_M64N128K32_E4M3(con, scale) \
+    asm volatile( \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+        "%64, %65, p, 1, 1;\n}\n" \
+        : con(d[0]), con(d[1]), con(d[2]), con(d[3]), con(d[4]), con(d[5]), con(d[6]), con(d[7]), \
+          con(d[8]), con(d[9]), con(d[10]), con(d[11]), con(d[12]), con(d[13]), con(d[14]), con(d[15]), \
+          con(d[16]), con(d[17]), con(d[18]), con(d[19]), con(d[20]), con(d[21]), con(d[22]), con(d[23]), \
+          con(d[24]), con(d[25]), con(d[26]), con(d[27]), con(d[28]), con(d[29]), con(d[30]), con(d[31]), \
+          con(d[32]), con(d[33]), con(d[34]), con(d[35]), con(d[36]), con(d[37]), con(d[38]), con(d[39]), \
+          con(d[40]), con(d[41]), con(d[42]), con(d[43]), con(d[44]), con(d[45]), con(d[46]), con(d[47]), \
+          con(d[48]), con(d[49]), con(d[50]), con(d[51]), con(d[52]), con(d[53]), con(d[54]), con(d[55]), \
+          con(d[56]), con(d[57]), con(d[58]), con(d[59]), con(d[60]), con(d[61]), con(d[62]), con(d[63]) \
+        : "l"(desc_a), "l"(desc_b), scale);
+
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], std::uint64_t desc_a, std::uint64_t desc_b,
                                                       int scale_d) {
 #if MOERUNNER_WGMMA_COMPILED
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  MOERUNNER_WGMMA_M64N128K32_E4M3("+f", "r"(scale_d))
 #else
   (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
   __trap();
 #endif
 }
 
-// The first of a sum's wgmma (scale-d 0) with D declared written only: a sum's registers are
-// then free from its last read to the next sum's first wgmma (with "+f" they stay live through
-// whatever lies between, an epilogue included).
+// The first of a sum's wgmma: scale-d 0, D written only.
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3_fresh(float (&d)[64], std::uint64_t desc_a, std::uint64_t desc_b) {
 #if MOERUNNER_WGMMA_COMPILED
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, 0, 1, 1;\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
-        "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
-        "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
-        "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]),
-        "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]),
-        "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]),
-        "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]),
-        "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
-      : "l"(desc_a), "l"(desc_b));
+  MOERUNNER_WGMMA_M64N128K32_E4M3("=f", "n"(0))
 #else
   (void)d, (void)desc_a, (void)desc_b;
   __trap();
 #endif
 }
+
+#undef MOERUNNER_WGMMA_M64N128K32_E4M3
 
 __device__ __forceinline__ void wgmma_fence() {
 #if MOERUNNER_WGMMA_COMPILED
