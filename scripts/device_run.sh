@@ -27,11 +27,11 @@
 #   --budget SECONDS   wall-clock budget for the whole run (default 570); each step gets what is left
 #   --bench-args ARGS  extra arguments for moe_bench and torch_grouped_mm.py filters (--shapes/--tokens)
 #   --baseline DIR     another source tree of this project (e.g. `git archive COMMIT | tar -x -C DIR`):
-#                      the bench step also builds its moe_bench and runs it with the same arguments right
-#                      after this tree's, adding its rows to the results as BACKEND@NAME (NAME: DIR's
+#                      its moe_bench builds beside this tree's build step, and the bench step runs it with
+#                      the same arguments right after this tree's, adding its rows to the results as BACKEND@NAME (NAME: DIR's
 #                      last component without a leading dot: .baseline gives BACKEND@baseline), so that
 #                      versions are compared on one machine (runs on different machines differ by 10-20%).
-#                      May be given several times (a bisection in one call: ~120 s of build each)
+#                      May be given several times (a bisection in one call; the builds share the cores)
 #   --sanitizer-args   extra arguments passed to each GPU test under compute-sanitizer (e.g. a doctest filter;
 #                      split at spaces, so write a space inside a test name as ?: -tc=*own?combine*)
 #   --targets LIST     build only these Ninja targets, comma-separated (default: everything), e.g.
@@ -250,6 +250,22 @@ if has_step build; then
   # Leave the later steps only what the requested ones need at least: a fixed reserve starved
   # the build (~85 s on 16 cores) under a small --budget that asked for few steps after it.
   t=$(step_timeout 330 "$(reserve_after build)")
+  # Each baseline's moe_bench compiles beside this tree's build (a fresh one took ~220 s after
+  # it, in the bench step); the bench step waits for it.
+  base_pids=()
+  if has_step bench; then
+    for i in "${!baselines[@]}"; do
+      baseline=${baselines[$i]}
+      base_build=$build-base-${baseline_names[$i]}
+      ln -sfn "$deps" "$baseline/.deps"  # its Meson settings name .deps/ inside the source tree
+      {
+        { [[ -f "$base_build/build.ninja" ]] || "${meson[@]}" setup "$base_build" "$baseline" "${setup_args[@]}"; } &&
+          timeout 420 ninja -C "$base_build" -j "$jobs" bench/moe_bench
+      } > "$logs/build-base-${baseline_names[$i]}.log" 2>&1 &
+      base_pids[$i]=$!
+    done
+    (( ${#baselines[@]} )) && note "build: ${#baselines[@]} baseline moe_bench build(s) started beside it"
+  fi
   note "build: meson setup + ninja (archs $archs, up to ${t}s)"
   {
     if [[ -f "$build/build.ninja" ]]; then  # the native file is kept from the first setup
@@ -374,14 +390,23 @@ if has_step bench; then
     elif [[ ! -s "$results" ]]; then
       record "$step" skipped "no benchmark results to add to"
     elif ! out_of_time "$step" "$t"; then
-      note "$step: build and run $baseline's moe_bench (up to ${t}s)"
+      note "$step: build (or wait for the build step's) and run $baseline's moe_bench (up to ${t}s)"
       base_build=$build-base-$name
       ln -sfn "$deps" "$baseline/.deps"  # its Meson settings name .deps/ inside the source tree
       base_results=$out_dir/bench-$name.jsonl
+      built=0
+      if [[ -n "${base_pids[$i]:-}" ]]; then  # its log: logs/build-base-NAME.log
+        if timeout "$t" tail --pid="${base_pids[$i]}" -f /dev/null; then
+          wait "${base_pids[$i]}" && built=1
+        else
+          kill "${base_pids[$i]}" 2>/dev/null
+        fi
+        t=$(step_timeout 420 10)
+      fi
       # shellcheck disable=SC2086
       {
-        { [[ -f "$base_build/build.ninja" ]] || "${meson[@]}" setup "$base_build" "$baseline" "${setup_args[@]}"; } &&
-          timeout "$t" ninja -C "$base_build" -j "$jobs" bench/moe_bench &&
+        { (( built )) || { [[ -f "$base_build/build.ninja" ]] || "${meson[@]}" setup "$base_build" "$baseline" "${setup_args[@]}"; } &&
+            timeout "$t" ninja -C "$base_build" -j "$jobs" bench/moe_bench; } &&
           timeout "$(step_timeout 300 10)" "$base_build/bench/moe_bench" --out "$base_results" --commit "$name" \
             $bench_args
       } > "$logs/$step.log" 2>&1
