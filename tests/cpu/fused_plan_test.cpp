@@ -320,7 +320,7 @@ g::fp8_plan fp8_plan_of(moe_config_params p, std::int64_t m, g::device_target de
 
 }  // namespace
 
-TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pairs of CTAs above 2048 rows per expert, K split where items come in few waves") {
+TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pairs of CTAs from 96 rows per expert, K split where items come in few waves") {
   for (const moe_config_params& c : {mixtral(), qwen3(), deepseek()})
     for (std::int64_t m : {0, 1, 7, 64, 512, 4096, 16384}) {
       CAPTURE(c.num_experts);
@@ -328,10 +328,10 @@ TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pai
       const g::fp8_plan p = fp8_plan_of(c, m);
       // Stream where the active experts average at most 4 rows, as cuda_fused decides, and the
       // wgmma GEMM1 (128 act columns per item) would have items for under half the SMs; pairs
-      // of CTAs on 128-row tiles where the experts average more than 2048 rows; 128-row CTAs
+      // of CTAs on 128-row tiles where the experts average at least 96 rows; 128-row CTAs
       // only when asked.
       const std::int64_t slots = m * c.top_k, active = std::min<std::int64_t>(slots, c.num_experts);
-      const bool pair = active > 0 && slots > 2048 * active;
+      const bool pair = active > 0 && slots >= 96 * active;
       const std::int64_t items = active * ((c.intermediate_size + 127) / 128);
       CHECK(p.stream == (slots > 0 && slots <= 4 * active && 2 * items < h200.sm_count));
       CHECK(p.schedule_block_m == (p.stream ? 8 : pair ? 128 : 64));
@@ -346,6 +346,11 @@ TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pai
       CHECK(p.down_k_splits <= std::max(1, c.intermediate_size / 128 / 4));
       if (m >= 512 || p.stream) CHECK(p.down_k_splits == 1);  // items in more than two waves
     }
+  // Pairs from an average of 96 rows per active expert, on a shape the loop above does not name.
+  const moe_config_params other{.num_experts = 64, .hidden_size = 3072, .intermediate_size = 1536, .top_k = 6};
+  CHECK(fp8_plan_of(other, 1024).tile == g::fp8_tile::m64x2);  // 6144 slots = 96 x 64
+  CHECK(fp8_plan_of(other, 1023).tile == g::fp8_tile::m64);
+  CHECK(fp8_plan_of(other, 1023).cluster_m == 1);
   // Of the benchmark's cells only Qwen3-30B-A3B at one token runs the stream GEMMs (8 experts x
   // 6 act tiles: 48 wgmma items on 132 SMs); DeepSeek-V3 at one token would give 128, Mixtral-8x7B
   // 224, and a 32-SM device part streams Qwen3 at no token count.
@@ -391,11 +396,11 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs and 128-row CTAs forced on or off (
   CHECK(single.tile == g::fp8_tile::m64);
   CHECK(forced(mixtral(), 16384, {.stream = std::nullopt, .pairs = false}).tile == g::fp8_tile::m64);
   // 128-row CTAs only when asked, wherever the stream GEMMs and pairs are not taken.
-  const g::fp8_plan tall = forced(qwen3(), 4096, {.tall = true});
+  const g::fp8_plan tall = forced(qwen3(), 512, {.tall = true});
   CHECK(tall.tile == g::fp8_tile::m128);
   CHECK(tall.cluster_m == 1);
   CHECK(tall.schedule_block_m == 128);
-  CHECK(fp8_plan_of(qwen3(), 4096).tile == g::fp8_tile::m64);
+  CHECK(fp8_plan_of(qwen3(), 512).tile == g::fp8_tile::m64);
   const g::fp8_plan forced_tall = forced(mixtral(), 64, {.tall = true});
   CHECK(forced_tall.tile == g::fp8_tile::m128);
   CHECK(forced_tall.schedule_block_m == 128);

@@ -274,7 +274,7 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     worst = std::max(worst, check_case(sh, bf16, {.inplace = true, .deterministic = true}, rng));
   }
   SUBCASE("pairs of CTAs on 128-row tiles") {
-    // Forced on at 75-150 rows per expert (the plan pairs only above 2048), and once by the rule.
+    // Forced on at 75-150 rows per expert (the plan pairs from an average of 96), and once by the rule.
     const mr::gpu::fp8_settings pairs{.stream = std::nullopt, .pairs = true};
     const auto pair_case = [&](const shape& c, mr::dtype t, const options& o, bool preq = false) {
       worst = std::max(worst, check_case(c, t, o, rng, preq, mr::fp8_weight_scaling::block128, pairs));

@@ -28,13 +28,21 @@ enum class fp8_tile : std::uint8_t { m64, m64x2, m128 };
 inline constexpr const char* fp8_tile_name(fp8_tile t) {
   return t == fp8_tile::m64 ? "m64" : t == fp8_tile::m64x2 ? "m64x2" : "m128";
 }
-// Pairs where the active experts average more than 2048 rows. A pair halves the weight tiles'
-// L2 traffic (24 KB per 2 M MAC against 40) but its CTAs wait on each other's stages, and the
-// fp8 prefill cells are not L2-bound: on an H200 pairs measured 2-11% slower than single CTAs
-// at 128-1024 rows per expert (6 of the bench's 9 prefill cells) and 3.5% faster only at 4096
-// (Mixtral-8x7B, 16384 tokens). bench/NOTES.md, round 13.
+// Pairs where the active experts average at least 96 rows. A pair draws 0.6x the L2 bytes per
+// multiply-add of a 64-row CTA (each weight tile multicast into both: 48 KB per 4.2 M MAC
+// against 40 KB per 2.1 M), but pads each expert's rows to a multiple of 128 instead of 64, and
+// its CTAs wait on each other's stages. Once GEMM1's epilogue stopped holding the consumers, the
+// 64-row CTAs ran L2-bound (Mixtral-8x7B 4096's GEMM1 at 8.8 TB/s of L2 traffic) or, with many
+// large experts, DRAM-bound on weight tiles that L2 did not keep (DeepSeek-V3 16384: 37% L2
+// hits). On an H100, pairs then measured faster on 6 of the bench's 7 cells at 128-4096 rows per
+// expert (3-26%; Mixtral-8x7B 4096: 1% slower and 10% faster in two passes), 6% slower at 256
+// (Qwen3-30B-A3B 4096: K = 2048 and 768, short K loops, where the pad costs more than the L2
+// bytes save), and 5-9% slower at 16-32 rows, where most of a pair's 128 rows are pad
+// (bench/NOTES.md, round 17; round 13's H200 verdict, pairs 2-11% slower, predates the epilogue
+// change). From about 96 rows per expert both pad alike (two 64-row tiles or one of 128), so
+// pairs then only save L2 bytes.
 inline constexpr int fp8_large_block_m = 128;
-inline constexpr std::int64_t fp8_large_tile_min_rows = 2048;
+inline constexpr std::int64_t fp8_pair_min_rows = 96;
 // 128-row CTAs (each warpgroup on 64 rows and all 256 weight rows) only where asked
 // (fp8_settings::tall): they draw 0.6x the shared-memory fill per multiply-add of 64-row CTAs,
 // but measured slower on 5 of the 6 prefill cells where experts average more than 64 rows
@@ -143,7 +151,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   if (p.stream) {
     p.schedule_block_m = stream_gemm_fp8_policy::tuning.schedule_block_m();
   } else if (!cfg.batch_invariant() && active > 0 &&
-             settings.pairs.value_or(slots > fp8_large_tile_min_rows * active)) {
+             settings.pairs.value_or(slots >= fp8_pair_min_rows * active)) {
     p.tile = fp8_tile::m64x2;
     p.schedule_block_m = fp8_large_block_m;
     p.cluster_m = fp8_large_block_m / fp8_block_m;
