@@ -27,10 +27,11 @@
 #   --budget SECONDS   wall-clock budget for the whole run (default 570); each step gets what is left
 #   --bench-args ARGS  extra arguments for moe_bench and torch_grouped_mm.py filters (--shapes/--tokens)
 #   --baseline DIR     another source tree of this project (e.g. `git archive COMMIT | tar -x -C DIR`):
-#                      its moe_bench builds beside this tree's build step, and the bench step runs it with
-#                      the same arguments right after this tree's, adding its rows to the results as BACKEND@NAME (NAME: DIR's
-#                      last component without a leading dot: .baseline gives BACKEND@baseline), so that
-#                      versions are compared on one machine (runs on different machines differ by 10-20%).
+#                      its moe_bench builds beside this tree's build step, and the bench step runs it
+#                      with the same arguments right after this tree's, adding its rows to the results
+#                      as BACKEND@NAME (NAME: DIR's last component without a leading dot: .baseline
+#                      gives BACKEND@baseline), so that versions are compared on one machine (runs on
+#                      different machines differ by 10-20%).
 #                      May be given several times (a bisection in one call; the builds share the cores)
 #   --sanitizer-args   extra arguments passed to each GPU test under compute-sanitizer (e.g. a doctest filter;
 #                      split at spaces, so write a space inside a test name as ?: -tc=*own?combine*)
