@@ -4,17 +4,19 @@
 Replays the fp8 wgmma GEMM's work order (decode_work_item: bands of M tiles walking the N
 tiles) on `--ctas` persistent CTAs, each item one K loop of 128-wide K tiles, through an LRU
 cache of `--l2-mb` megabytes, and prints the share of bytes that hit. Items take 1 + N(0, sigma)
-item durations; CTAs take them in fixed turns or handed out (whichever CTA is free next). A
-coarse model: one cache entry per tile and K tile (the weight tile's 256 rows, the A tile's 64
-or 128 rows, 128 bytes of K each), no sectors, no set associativity, no L2 partitions.
+item durations; CTAs take them in fixed turns or handed out (whichever CTA is free next), as
+schedule_drift.item_times models them. A coarse model: one cache entry per tile and K tile (the
+weight tile's 256 rows, the A tile's 64 or 128 rows, 128 bytes of K each), no sectors, no set
+associativity, no L2 partitions.
 
   bench/l2_reuse_model.py --experts 256 --topk 8 --tokens 16384 --n 4096 --k 7168   # DeepSeek-V3 GEMM1
   bench/l2_reuse_model.py --experts 8 --topk 2 --tokens 4096 --n 28672 --k 4096     # Mixtral-8x7B GEMM1
 """
 import argparse
-import heapq
 import random
 from collections import OrderedDict
+
+from schedule_drift import item_times
 
 
 def tiles_of(experts, topk, tokens, block_m, rnd):
@@ -37,27 +39,9 @@ def decode(w, tile_count, n_tiles, band):
 
 
 def simulate(order, tiles, n_tiles, k_tiles, ctas, band, sigma, l2_bytes, b_bytes, a_bytes, seed):
-    rnd = random.Random(seed)
     work = len(tiles) * n_tiles
-    # Item start times per the order; then every K tile's two reads at their times.
-    starts = []
-    if order == "fixed":
-        for c in range(ctas):
-            t = 0.0
-            for w in range(c, work, ctas):
-                d = max(0.05, 1.0 + rnd.gauss(0.0, sigma))
-                starts.append((t, d, w))
-                t += d
-    else:
-        free = [(0.0, c) for c in range(ctas)]
-        heapq.heapify(free)
-        for w in range(work):
-            t, c = heapq.heappop(free)
-            d = max(0.05, 1.0 + rnd.gauss(0.0, sigma))
-            starts.append((t, d, w))
-            heapq.heappush(free, (t + d, c))
     events = []
-    for t, d, w in starts:
+    for w, (t, d) in enumerate(item_times(order, ctas, work, sigma, random.Random(seed))):
         m, n = decode(w, len(tiles), n_tiles, band)
         for kt in range(k_tiles):
             events.append((t + d * (kt + 0.5) / k_tiles, m, n, kt))

@@ -19,22 +19,25 @@ import random
 import statistics
 
 
-def starts(order, ctas, items, sigma, rnd):
-    start = [0.0] * items
+def item_times(order, ctas, items, sigma, rnd):
+    """(start, duration) of each item under `order` ("fixed" or "handed out"), in item durations."""
+    times = [None] * items
     if order == "fixed":
         for c in range(ctas):
             t = 0.0
             for w in range(c, items, ctas):
-                start[w] = t
-                t += max(0.0, 1.0 + rnd.gauss(0.0, sigma))
+                d = max(0.05, 1.0 + rnd.gauss(0.0, sigma))
+                times[w] = (t, d)
+                t += d
     else:
         free = [(0.0, c) for c in range(ctas)]
         heapq.heapify(free)
         for w in range(items):
             t, c = heapq.heappop(free)
-            start[w] = t
-            heapq.heappush(free, (t + max(0.0, 1.0 + rnd.gauss(0.0, sigma)), c))
-    return start
+            d = max(0.05, 1.0 + rnd.gauss(0.0, sigma))
+            times[w] = (t, d)
+            heapq.heappush(free, (t + d, c))
+    return times
 
 
 def main():
@@ -52,7 +55,7 @@ def main():
     print(f"{'sigma':>6} {'order':>10} {'mean':>7} {'median':>7} {'p90':>7} {'> window':>9}")
     for sigma in a.sigma:
         for order in ("fixed", "handed out"):
-            s = starts(order, a.ctas, a.items, sigma, random.Random(a.seed))
+            s = [t for t, _ in item_times(order, a.ctas, a.items, sigma, random.Random(a.seed))]
             spread = sorted(max(s[g:g + a.group]) - min(s[g:g + a.group]) for g in range(0, a.items, a.group))
             n = len(spread)
             beyond = sum(1 for x in spread if x > a.window) / n
