@@ -193,6 +193,14 @@ step_timeout() {
   local left=$((deadline - $(date +%s) - $2))
   (( left < $1 )) && echo "$left" || echo "$1"
 }
+# build_baseline I SECONDS: baseline I's moe_bench, configured once with this tree's Meson
+# settings (setup_args, from the build step) in build-device-base-NAME/.
+build_baseline() {
+  local dir=${baselines[$1]} dest=$build-base-${baseline_names[$1]}
+  ln -sfn "$deps" "$dir/.deps"  # its Meson settings name .deps/ inside the source tree
+  { [[ -f "$dest/build.ninja" ]] || "${meson[@]}" setup "$dest" "$dir" "${setup_args[@]}"; } &&
+    timeout "$2" ninja -C "$dest" -j "$jobs" bench/moe_bench
+}
 # out_of_time STEP T: records STEP as skipped when fewer than 20 seconds are left for it.
 out_of_time() {
   (( $2 >= 20 )) && return 1
@@ -256,13 +264,7 @@ if has_step build; then
   base_pids=()
   if has_step bench; then
     for i in "${!baselines[@]}"; do
-      baseline=${baselines[$i]}
-      base_build=$build-base-${baseline_names[$i]}
-      ln -sfn "$deps" "$baseline/.deps"  # its Meson settings name .deps/ inside the source tree
-      {
-        { [[ -f "$base_build/build.ninja" ]] || "${meson[@]}" setup "$base_build" "$baseline" "${setup_args[@]}"; } &&
-          timeout 420 ninja -C "$base_build" -j "$jobs" bench/moe_bench
-      } > "$logs/build-base-${baseline_names[$i]}.log" 2>&1 &
+      build_baseline "$i" 420 > "$logs/build-base-${baseline_names[$i]}.log" 2>&1 &
       base_pids[$i]=$!
     done
     (( ${#baselines[@]} )) && note "build: ${#baselines[@]} baseline moe_bench build(s) started beside it"
@@ -393,7 +395,6 @@ if has_step bench; then
     elif ! out_of_time "$step" "$t"; then
       note "$step: build (or wait for the build step's) and run $baseline's moe_bench (up to ${t}s)"
       base_build=$build-base-$name
-      ln -sfn "$deps" "$baseline/.deps"  # its Meson settings name .deps/ inside the source tree
       base_results=$out_dir/bench-$name.jsonl
       built=0
       if [[ -n "${base_pids[$i]:-}" ]]; then  # its log: logs/build-base-NAME.log
@@ -406,8 +407,7 @@ if has_step bench; then
       fi
       # shellcheck disable=SC2086
       {
-        { (( built )) || { [[ -f "$base_build/build.ninja" ]] || "${meson[@]}" setup "$base_build" "$baseline" "${setup_args[@]}"; } &&
-            timeout "$t" ninja -C "$base_build" -j "$jobs" bench/moe_bench; } &&
+        { (( built )) || build_baseline "$i" "$t"; } &&
           timeout "$(step_timeout 300 10)" "$base_build/bench/moe_bench" --out "$base_results" --commit "$name" \
             $bench_args
       } > "$logs/$step.log" 2>&1
