@@ -436,6 +436,12 @@ PY
       note "$step: $(tail -n1 "$status_file" | cut -f2)"
     fi
   done
+  # A baseline build the loop did not wait for (its step skipped) stops here rather than
+  # compiling through the steps after (timeout passes the signal on to ninja).
+  for pid in ${base_pids[@]+"${base_pids[@]}"}; do
+    pkill -P "$pid" 2>/dev/null
+    kill "$pid" 2>/dev/null
+  done
 fi
 
 if has_step torch; then
