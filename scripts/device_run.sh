@@ -371,10 +371,8 @@ fi
 
 # ---------------------------------------------------------------- benchmark
 if has_step bench; then
-  # Timings need the machine to themselves: the baseline builds started beside the build step
-  # finish (or are stopped) before anything is timed. Compiling on every core beside it, they
-  # slowed this tree's rows by 5-25% and made them noisy (a layer timed with its routing came
-  # out faster than without it).
+  # Nothing runs beside a timing: the baseline builds started beside the build step finish (or
+  # are stopped) before this tree's bench starts, not only before the baseline's.
   for pid in ${base_pids[@]+"${base_pids[@]}"}; do
     timeout "$(step_timeout 420 10)" tail --pid="$pid" -f /dev/null || kill "$pid" 2>/dev/null
   done
