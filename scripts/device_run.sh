@@ -201,6 +201,12 @@ build_baseline() {
   { [[ -f "$dest/build.ninja" ]] || "${meson[@]}" setup "$dest" "$dir" "${setup_args[@]}"; } &&
     timeout "$2" ninja -C "$dest" -j "$jobs" bench/moe_bench
 }
+# stop_build PID: stops a build_baseline started in the background: its timeout first (which
+# passes the signal on to ninja; once the subshell is gone it would be an orphan), then it.
+stop_build() {
+  pkill -P "$1" 2>/dev/null
+  kill "$1" 2>/dev/null
+}
 # out_of_time STEP T: records STEP as skipped when fewer than 20 seconds are left for it.
 out_of_time() {
   (( $2 >= 20 )) && return 1
@@ -374,7 +380,7 @@ if has_step bench; then
   # Nothing runs beside a timing: the baseline builds started beside the build step finish (or
   # are stopped) before this tree's bench starts, not only before the baseline's.
   for pid in ${base_pids[@]+"${base_pids[@]}"}; do
-    timeout "$(step_timeout 420 10)" tail --pid="$pid" -f /dev/null || kill "$pid" 2>/dev/null
+    timeout "$(step_timeout 420 10)" tail --pid="$pid" -f /dev/null || stop_build "$pid"
   done
   t=$(step_timeout 300 "$(reserve_after bench)")
   if ! out_of_time bench "$t"; then
@@ -402,14 +408,9 @@ if has_step bench; then
       base_build=$build-base-$name
       base_results=$out_dir/bench-$name.jsonl
       built=0
-      if [[ -n "${base_pids[$i]:-}" ]]; then  # its log: logs/build-base-NAME.log
-        if timeout "$t" tail --pid="${base_pids[$i]}" -f /dev/null; then
-          wait "${base_pids[$i]}" && built=1
-        else
-          kill "${base_pids[$i]}" 2>/dev/null
-        fi
-        t=$(step_timeout 420 10)
-      fi
+      # Its build beside the build step has ended (or was stopped) before the bench; its log:
+      # logs/build-base-NAME.log.
+      if [[ -n "${base_pids[$i]:-}" ]]; then wait "${base_pids[$i]}" && built=1; fi
       # shellcheck disable=SC2086
       {
         { (( built )) || build_baseline "$i" "$t"; } &&
@@ -440,12 +441,6 @@ PY
       else record "$step" failed "exit $rc, $cells cells kept, see logs/$step.log"; fi
       note "$step: $(tail -n1 "$status_file" | cut -f2)"
     fi
-  done
-  # A baseline build the loop did not wait for (its step skipped) stops here rather than
-  # compiling through the steps after (timeout passes the signal on to ninja).
-  for pid in ${base_pids[@]+"${base_pids[@]}"}; do
-    pkill -P "$pid" 2>/dev/null
-    kill "$pid" 2>/dev/null
   done
 fi
 
