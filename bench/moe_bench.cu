@@ -30,6 +30,9 @@
 // and cuda_fused_fp8_stagger (the overlapped and staggered K loops, gpu::fp8_k_loop), the same
 // in pairs of CTAs (cuda_fused_fp8_pairs_overlap, cuda_fused_fp8_pairs_stagger),
 // cuda_fused_fp8_band16 and cuda_fused_fp8_overlap_band16 (raster bands of 16 M tiles, not 8).
+// With the wgmma GEMMs' work items handed out at run time (set_hand_out): cuda_fused_handed_out,
+// cuda_fused_m128x2_handed_out, cuda_fused_fp8_handed_out, cuda_fused_fp8_single_handed_out and
+// cuda_fused_fp8_pairs_handed_out, each the row of the same name without the suffix otherwise.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -134,6 +137,7 @@ struct backend_variant {
   // off, and the wgmma K loop (unset: its plan's rules)
   std::optional<bool> fp8_stream = std::nullopt, fp8_pairs = std::nullopt, fp8_tall = std::nullopt;
   std::optional<mr::gpu::fp8_k_loop> fp8_k_loop = std::nullopt;
+  std::optional<bool> hand_out = std::nullopt;  // wgmma work items handed out at run time (unset: the plan's)
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -183,6 +187,17 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_fp8_band16", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 16},
     {"cuda_fused_fp8_overlap_band16", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 16,
      std::nullopt, true, std::nullopt, false, std::nullopt, std::nullopt, std::nullopt, mr::gpu::fp8_k_loop::overlap},
+    {.label = "cuda_fused_handed_out", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic, .deterministic = false,
+     .by_default = false, .hand_out = true},
+    {.label = "cuda_fused_m128x2_handed_out", .backend = "cuda_fused",
+     .tuning = mr::gpu::gemm_tuning_choice::sm90_wgmma_m128x2, .deterministic = false, .by_default = false,
+     .hand_out = true},
+    {.label = "cuda_fused_fp8_handed_out", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic, .deterministic = false,
+     .by_default = false, .hand_out = true},
+    {.label = "cuda_fused_fp8_single_handed_out", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .fp8_pairs = false, .hand_out = true},
+    {.label = "cuda_fused_fp8_pairs_handed_out", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .fp8_pairs = true, .hand_out = true},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -677,12 +692,14 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           if (variant->dependent) core.set_dependent_launch(*variant->dependent);
           core.set_plan_in_gemms(variant->plan_in_gemms);
           if (variant->stream_l2) core.set_stream_l2(*variant->stream_l2);
+          core.set_hand_out(variant->hand_out);
         } else if constexpr (requires { core.set_stream_gemms(variant->fp8_stream); }) {
           core.set_stream_gemms(variant->fp8_stream);
           core.set_pairs(variant->fp8_pairs);
           core.set_tall(variant->fp8_tall);
           core.set_k_loop(variant->fp8_k_loop);
           if (variant->raster_band > 0) core.set_raster_band(variant->raster_band);
+          core.set_hand_out(variant->hand_out);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }
@@ -812,7 +829,7 @@ int main(int argc, char** argv) {
   int pair_clusters = 0;
   if (const mr::gpu::device_facts dev = mr::gpu::current_device_facts(); mr::gpu::wgmma_gemm_available(dev))
     pair_clusters = mr::gpu::prepare_wgmma_gemm<__nv_bfloat16, mr::gpu::sm90_wgmma_m128x2_gemm_policy,
-                                                mr::kernels::moe_gemm_kind::down>(dev);
+                                                mr::kernels::moe_gemm_kind::down, false>(dev);
   std::printf("GPU %s (%d SMs, L2 %.0f MB), commit %s\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6,
               opt.commit.c_str());
   std::printf("ceilings: HBM read %.2f TB/s, D2D copy %.2f TB/s (read+write), cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s, "

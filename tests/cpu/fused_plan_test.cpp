@@ -266,7 +266,8 @@ TEST_CASE("the workspace follows the device: one sized for a MIG slice is too sm
 }
 
 TEST_CASE("settings: dependent launches and the in-GEMM schedule as set") {
-  const g::fused_plan p = plan_of(qwen3(), 1, h200, {.dependent_launch = false, .plan_in_gemms = false, .gather_a = std::nullopt});
+  const g::fused_plan p = plan_of(qwen3(), 1, h200, {.dependent_launch = false, .plan_in_gemms = false, .gather_a = std::nullopt,
+                                                     .hand_out = std::nullopt});
   CHECK(p.family == g::gemm_family::stream);
   CHECK_FALSE(p.dependent_launch);
   CHECK_FALSE(p.schedule_in_gemms);
@@ -712,4 +713,59 @@ TEST_CASE("the maximum over token counts: every count from 0 to max_tokens, a ne
   CHECK_THROWS_WITH_AS(g::max_plan_workspace(cfg, std::int64_t{1} << 30, plan_at, "where"),
                        "where: max_tokens * top_k must fit in 32 bits, as a run's num_tokens * top_k",
                        moerunner::invalid_argument_error);
+}
+
+TEST_CASE("work items handed out at run time: only where asked, on the wgmma GEMMs, where their numbers fit 32 bits") {
+  for (const moe_config_params& c : {mixtral(), qwen3(), deepseek()})
+    for (std::int64_t m : {0, 1, 64, 4096, 16384}) {
+      CAPTURE(c.num_experts);
+      CAPTURE(m);
+      // Unasked: fixed turns.
+      CHECK_FALSE(plan_of(c, m).hand_out);
+      CHECK_FALSE(fp8_plan_of(c, m).hand_out);
+      // Asked: the wgmma family only, with tokens; the rest of the plan is unasked's.
+      g::fused_settings s;
+      s.hand_out = true;
+      const g::fused_plan fixed = plan_of(c, m), handed = plan_of(c, m, h200, s);
+      check_layout(handed, c);
+      CHECK(handed.hand_out == (handed.family == g::gemm_family::wgmma && m > 0));
+      CHECK(handed.tile == fixed.tile);
+      CHECK(handed.workspace.total == fixed.workspace.total);
+      CHECK((handed.describe().find("handed out") != std::string::npos) == handed.hand_out);
+      const g::fp8_plan fp8_fixed = fp8_plan_of(c, m),
+                        fp8_handed = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.hand_out = true});
+      check_fp8_layout(fp8_handed, c);
+      CHECK(fp8_handed.hand_out == (!fp8_handed.stream && m > 0));
+      // Not on 128-row CTAs (their lean producer spilled with the hand-out's state).
+      CHECK_FALSE(g::make_fp8_plan(MoeRunnerConfig(c), m, h200,
+                                   {.stream = false, .pairs = false, .tall = true, .hand_out = true})
+                      .hand_out);
+      CHECK(fp8_handed.tile == fp8_fixed.tile);
+      CHECK(fp8_handed.workspace.total == fp8_fixed.workspace.total);
+      CHECK((fp8_handed.describe().find("handed out") != std::string::npos) == fp8_handed.hand_out);
+      // Not with the overlapped or staggered K loops (their kernels take fixed turns only).
+      const g::fp8_plan looped = g::make_fp8_plan(MoeRunnerConfig(c), m, h200,
+                                                  {.stream = false, .k_loop = g::fp8_k_loop::overlap, .hand_out = true});
+      CHECK_FALSE(looped.hand_out);
+    }
+  // Item numbers are 32-bit: with H = 16384 and the most tokens a run takes (M * k < 2^31), up
+  // to 2^31 / 128 M tiles times 64 or more N tiles, too many to hand out; the plan falls back to
+  // fixed turns.
+  g::fused_settings s;
+  s.hand_out = true;
+  moe_config_params wide = deepseek();
+  wide.hidden_size = 16384;
+  const std::int64_t huge = 0x7fffffff / 8;
+  CHECK(plan_of(wide, 65536, h200, s).hand_out);
+  CHECK(plan_of(deepseek(), huge, h200, s).hand_out);
+  CHECK_FALSE(plan_of(wide, huge, h200, s).hand_out);
+  CHECK_FALSE(g::make_fp8_plan(MoeRunnerConfig(wide), huge, h200, {.hand_out = true}).hand_out);
+  CHECK(g::hand_out_items_fit(0x7fffffff - 132, 132));
+  CHECK_FALSE(g::hand_out_items_fit(0x7fffffff - 131, 132));
+  // fp8 A rows are 32-bit byte offsets: DeepSeek-V3's act rows (I = 2048 bytes) fit up to 2^21
+  // schedule rows, which 65536 tokens stay under and 262144 do not.
+  CHECK(g::make_fp8_plan(MoeRunnerConfig(deepseek()), 65536, h200, {.hand_out = true}).hand_out);
+  CHECK_FALSE(g::make_fp8_plan(MoeRunnerConfig(deepseek()), 262144, h200, {.hand_out = true}).hand_out);
+  CHECK(g::hand_out_offsets_fit(0xffffffffLL / 2048, 2048));
+  CHECK_FALSE(g::hand_out_offsets_fit(0xffffffffLL / 2048 + 1, 2048));
 }

@@ -58,6 +58,7 @@ struct launch_settings {
   bool plan_in_gemms = true;
   std::optional<mr::gpu::stream_l2_use> stream_l2 = std::nullopt;  // stream GEMMs (unset: the policy's)
   std::optional<bool> gather_a = std::nullopt;  // wgmma GEMM1's A by TMA from gathered rows (unset: the plan's)
+  std::optional<bool> hand_out = std::nullopt;  // wgmma work items handed out at run time (unset: the plan's)
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -80,6 +81,7 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
         core.set_plan_in_gemms(ls.plan_in_gemms);
         if (ls.stream_l2) core.set_stream_l2(*ls.stream_l2);
         if (ls.gather_a) core.set_gather_a(*ls.gather_a);
+        core.set_hand_out(ls.hand_out);
       }
     });
     size_workspace(p, ws_misalign);  // the K splits, and so the size, follow the tuning
@@ -397,6 +399,52 @@ TEST_CASE("cuda_fused with the wgmma tiles: GEMM1's A by TMA from gathered rows 
       on_device fast(p, tu, false, 0, {.gather_a = true});
       compare(p, fast.run_once(p));
     }
+}
+
+TEST_CASE("cuda_fused with the wgmma tiles: work items handed out at run time, the same bits as in fixed turns") {
+  // An item's sums do not depend on which cluster runs it or when, so deterministic outputs keep
+  // their bits; the workspace is poisoned first (the plan zeroes the item counters), and a
+  // second run on it finds them at 0 again.
+  if (!mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts())) return;
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  const std::pair<shape, options> cases[] = {
+      {{0, 8, 2, 256, 256}, {}},                                       // no tokens: no items
+      {{1, 8, 2, 520, 2048}, {}},                                      // one token, GEMM2's K split (atomic mode)
+      {{2, 8, 2, odd_h, odd_i}, {}},                                   // fewer items than clusters
+      {{300, 8, 2, odd_h, odd_i}, {.ids = ids_kind::random_filtered}},
+      {{700, 8, 2, 512, 256}, {.ids = ids_kind::skewed}},              // pairs with empty halves
+      {{130, 8, 2, 256, 256}, {.ids = ids_kind::one_expert, .interleaved = true}},
+      {{2000, 8, 2, 256, 512}, {.weight_on_input = true}},             // several items per cluster
+      {{64, 8, 2, 256, 256}, {.gated = false, .inplace = true}},
+  };
+  const tuning wgmma_tiles[] = {tuning::sm90_wgmma_m64, tuning::sm90_wgmma_m64n128, tuning::sm90_wgmma_m128,
+                                tuning::sm90_wgmma_m128x2};
+  for (const auto& [sh, opt] : cases) {
+    const problem p(sh, mr::dtype::bf16, opt, rng);
+    for (tuning tu : wgmma_tiles)
+      for (bool gather : {false, true}) {
+        CAPTURE(describe(sh, mr::dtype::bf16, opt, tu, true));
+        CAPTURE(gather);
+        on_device fixed(p, tu, true, 0, {.gather_a = gather, .hand_out = false});
+        const host_tensor want = fixed.run_once(p);
+        compare(p, want);
+        on_device handed(p, tu, true, 0, {.gather_a = gather, .hand_out = true});
+        handed.runner->visit([&](const auto& core) {
+          if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>)
+            CHECK(core.plan(sh.m).hand_out == (sh.m > 0));
+        });
+        MOE_CUDA_CHECK(cudaMemset(handed.ws_buf.get(), 0xff, handed.ws_buf.bytes()));
+        for (int run = 0; run < (opt.inplace ? 1 : 2); ++run) {
+          CAPTURE(run);
+          const host_tensor got = handed.run_once(p);
+          CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);
+        }
+        on_device fast(p, tu, false, 0, {.gather_a = gather, .hand_out = true});
+        compare(p, fast.run_once(p));
+      }
+  }
 }
 
 TEST_CASE("cuda_fused leaves out expert ids outside [-1, E) as it does -1") {

@@ -114,8 +114,8 @@ struct fp8_problem {
 using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_fp8_policy>;
 
 // Device copies of an fp8 problem and a runner with exactly the workspace it asks for; `forced`
-// forces the stream GEMMs, the pairs of CTAs or the 128-row CTAs on or off, or the K loop or the
-// raster band (unset: the plan's rules).
+// forces the stream GEMMs, the pairs of CTAs or the 128-row CTAs on or off, the K loop, the
+// raster band or the work items handed out (unset: the plan's rules).
 struct fp8_on_device {
   mr::test::device_tensor x, xq, xs, w13, w2, s13, s2, weights, ids;
   mr::test::device_buffer out_buf, ws_buf;
@@ -134,6 +134,7 @@ struct fp8_on_device {
         core.set_tall(forced.tall);
         core.set_k_loop(forced.k_loop);
         core.set_raster_band(forced.raster_band);
+        core.set_hand_out(forced.hand_out);
       }
     });
     if (p.prequantized) {
@@ -336,6 +337,38 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     for (int band : {1, 3, 16})
       worst = std::max(worst, check_case({600, 8, 2, 256, 384}, bf16, {}, rng, false, mr::fp8_weight_scaling::block128,
                                          {.pairs = false, .raster_band = band}));
+  }
+  SUBCASE("work items handed out at run time: single CTAs and pairs") {
+    // Against the reference on every tile, and where deterministic the same bits as in fixed
+    // turns (an item's sums do not depend on which cluster runs it or when), twice on one
+    // poisoned workspace (the plan zeroes the item counters, each launch leaves them at 0).
+    const mr::gpu::fp8_settings tiles[] = {{.stream = false, .pairs = false}, {.stream = false, .pairs = true}};
+    for (const mr::gpu::fp8_settings& fixed_turns : tiles) {
+      mr::gpu::fp8_settings handed = fixed_turns;
+      handed.hand_out = true;
+      CAPTURE(*fixed_turns.pairs);
+      const auto handed_case = [&](const shape& c, mr::dtype t, const options& o, bool preq = false) {
+        worst = std::max(worst, check_case(c, t, o, rng, preq, mr::fp8_weight_scaling::block128, handed));
+      };
+      wide_tile_cases(handed_case);
+      handed_case({0, 8, 2, 256, 256}, bf16, {});
+      handed_case({1, 8, 2, 128, 128}, bf16, {});
+      handed_case({64, 8, 2, 640, 1152}, bf16, {});   // GEMM2's K split where items are few
+      handed_case({3000, 8, 2, 256, 512}, bf16, {});  // several items per cluster
+      for (const shape& sh : {shape{7, 8, 2, 384, 256}, shape{600, 8, 2, 256, 384}, shape{3000, 8, 2, 256, 512}}) {
+        CAPTURE(mr::test::describe(sh, bf16, {}));
+        fp8_problem p(sh, bf16, {.deterministic = true}, rng);
+        fp8_on_device fixed(p, fixed_turns), out(p, handed);
+        CHECK(out.runner.describe(sh.m).find("handed out") != std::string::npos);
+        const host_tensor want = fixed.run_once(p);
+        MOE_CUDA_CHECK(cudaMemset(out.ws_buf.get(), 0xff, out.ws_buf.bytes()));
+        for (int run = 0; run < 2; ++run) {
+          CAPTURE(run);
+          const host_tensor got = out.run_once(p);
+          CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);
+        }
+      }
+    }
   }
   SUBCASE("wgmma with GEMM2's K split, both combines") {
     // Few items over the SMs (8 experts of 16 rows): the plan splits GEMM2's K (reductions into

@@ -85,6 +85,7 @@ struct fp8_settings {
   std::optional<bool> tall = std::nullopt;     // 128-row wgmma CTAs where pairs are not taken (unset: never)
   std::optional<fp8_k_loop> k_loop = std::nullopt;  // the wgmma K loop (unset: plain; 128-row CTAs: plain)
   std::optional<int> raster_band = std::nullopt;  // M tiles per raster band of the wgmma GEMMs (>= 1; any mode)
+  std::optional<bool> hand_out = std::nullopt;    // wgmma work items handed out at run time (unset: off; 64-row CTAs, plain K loop)
 };
 
 struct fp8_plan {
@@ -100,6 +101,7 @@ struct fp8_plan {
   int cluster_m = 1;                   // wgmma CTAs on one schedule tile
   fp8_k_loop k_loop = fp8_k_loop::plain;  // wgmma: how the warpgroups' wgmma and promotions interleave
   int raster_band = fp8_raster_band;   // wgmma: M tiles that walk the N tiles together
+  bool hand_out = false;               // wgmma: work items handed out at run time (as fused_plan's)
   int down_k_splits = 1;
   down_store down = down_store::accumulate;
   bool combine_kernel = false;  // a combine kernel sums GEMM2's rows or parts per token afterwards
@@ -111,7 +113,7 @@ struct fp8_plan {
                     (stream ? std::string("stream e4m3")
                             : "wgmma e4m3 " + std::string(fp8_tile_name(tile)) +
                                   (k_loop != fp8_k_loop::plain ? " " + std::string(fp8_k_loop_name(k_loop)) : "") +
-                                  " band " + std::to_string(raster_band)) +
+                                  " band " + std::to_string(raster_band) + (hand_out ? " handed out" : "")) +
                     " (schedule tiles of " + std::to_string(schedule_block_m) + " rows" +
                     (schedule_in_gemms ? ", built in the GEMMs" : "") + "), GEMM2 " + std::string(down_store_name(down));
     if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
@@ -180,6 +182,11 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   p.down = store == down_store::rows && p.down_k_splits > 1 ? down_store::partials : store;
   p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;
   p.clear_in_gemm1 = !p.combine_kernel;
+  p.hand_out = !p.stream && p.tile != fp8_tile::m128 && p.k_loop == fp8_k_loop::plain && num_tokens > 0 &&
+               settings.hand_out.value_or(false) &&
+               hand_out_fits(cfg, slots, p.schedule_block_m, p.down_k_splits, dev.sm_count) &&
+               hand_out_offsets_fit(moe_m_tile_capacity(slots, e, p.schedule_block_m) * p.schedule_block_m,
+                                    std::max(cfg.hidden_size(), cfg.intermediate_size()));
 
   const auto m = static_cast<std::size_t>(num_tokens);
   const auto r = static_cast<std::size_t>(slots);

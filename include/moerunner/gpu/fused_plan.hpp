@@ -69,7 +69,19 @@ struct fused_settings {
   std::optional<bool> dependent_launch;  // unset: with the stream GEMMs only
   bool plan_in_gemms = true;
   std::optional<bool> gather_a;          // unset: with the 128-row wgmma tiles (prefill), long I
+  std::optional<bool> hand_out;          // wgmma work items handed out at run time (unset: off)
 };
+
+// Whether a wgmma run's work items can be handed out (hand_out_items_fit) in both GEMMs: every
+// wgmma CTA covers 64 output columns or more, and K splits are GEMM2's only.
+inline bool hand_out_fits(const MoeRunnerConfig& cfg, std::int64_t slots, int schedule_block_m, int down_k_splits,
+                          int sm_count) {
+  constexpr int min_cols = 64;
+  const int widest = cfg.hidden_size() > cfg.intermediate_size() ? cfg.hidden_size() : cfg.intermediate_size();
+  const std::int64_t work = moe_m_tile_capacity(slots, cfg.num_local_experts(), schedule_block_m) *
+                            ((widest + min_cols - 1) / min_cols) * down_k_splits;
+  return hand_out_items_fit(work, sm_count);
+}
 
 // GEMM1's A gathered into plan order for TMA only where the copy is cheap against GEMM1: it
 // moves 4H bytes per slot (written, then read) against GEMM1's 4IH flops, about 170/I to 260/I
@@ -109,6 +121,9 @@ struct fused_plan {
   // (prefill), where the cp.async gathers measured a third of the consumers' time waiting for
   // stages (bench/NOTES.md, round 10). Decode keeps M*k*I*2 + O(E) workspace.
   bool gather_a = false;
+  // wgmma: the work items handed out at run time, each cluster asking for the next as it starts
+  // one (kernels/moerunner/kernels/sm90_work_items.cuh), instead of in fixed turns.
+  bool hand_out = false;
   fused_workspace workspace;
 
   // One line for an engine's log: what runs and the workspace it takes.
@@ -127,6 +142,7 @@ struct fused_plan {
     if (memset_between) s += ", output zeroed between the GEMMs";
     s += dependent_launch ? ", dependent launches" : ", plain launches";
     if (gather_a) s += ", A gathered for TMA";
+    if (hand_out) s += ", work items handed out";
     s += "; workspace " + std::to_string(workspace.total) + " B (act " + std::to_string(workspace.act_bytes) +
          ", rows " + std::to_string(workspace.rows_bytes) + ", gathered x " + std::to_string(workspace.gathered_bytes) +
          ", plan + schedule " +
@@ -244,6 +260,8 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
   const bool large_tiles = p.family == gemm_family::wgmma && (p.tile == sm90_tile::m128 || p.tile == sm90_tile::m128x2);
   p.gather_a = p.family == gemm_family::wgmma && num_tokens > 0 &&
                settings.gather_a.value_or(large_tiles && cfg.intermediate_size() >= gather_a_min_intermediate);
+  p.hand_out = p.family == gemm_family::wgmma && num_tokens > 0 && settings.hand_out.value_or(false) &&
+               hand_out_fits(cfg, slots, p.schedule_block_m, p.down_k_splits, dev.sm_count);
   p.workspace = plan_detail::layout(cfg, num_tokens, p.down, p.down_k_splits, p.gather_a);
   return p;
 }

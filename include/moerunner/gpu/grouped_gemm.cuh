@@ -35,18 +35,22 @@ struct tile_schedule {
   const std::int32_t* count = nullptr;  // device: tiles actually used
   std::int64_t capacity = 0;            // host: the bound the grids are sized for
   int block_m = 0;
+  // device: [2] work-item counters (GEMM1's, GEMM2's) for wgmma GEMMs whose items are handed
+  // out at run time; zeroed with the count (null where the schedule is built in the GEMMs).
+  std::int32_t* item_counters = nullptr;
 };
 
 // A schedule's checked arguments and its pieces, carved from the caller's workspace.
 struct tile_schedule_pieces {
   moe_m_tile* tiles = nullptr;
-  std::int32_t* count = nullptr;
-  tile_schedule schedule;  // the same pieces, as the GEMM launches read them
+  std::int32_t* count = nullptr;  // the head: count, then the item counters (schedule_head_words)
+  tile_schedule schedule;         // the same pieces, as the GEMM launches read them
 };
 
 // Checks the arguments of a schedule for `rows` rows over num_experts experts (errors name
 // `where` and call the workspace `name`) and carves it from `workspace`: the tile count,
-// then the tiles, each in its own 256-byte piece. Launches nothing.
+// (and the item counters after it), then the tiles, each in its own 256-byte piece. Launches
+// nothing.
 inline tile_schedule_pieces carve_tile_schedule(int num_experts, std::int64_t rows, int block_m, void* workspace,
                                                 std::size_t bytes, const char* where, const char* name) {
   MOE_EXPECT(num_experts >= 1 && num_experts <= kernels::schedule_max_experts, where,
@@ -66,8 +70,8 @@ inline tile_schedule_pieces carve_tile_schedule(int num_experts, std::int64_t ro
   auto* base = static_cast<char*>(workspace);
   tile_schedule_pieces p;
   p.count = reinterpret_cast<std::int32_t*>(base);
-  p.tiles = reinterpret_cast<moe_m_tile*>(base + plan_piece_bytes(sizeof(std::int32_t)));
-  p.schedule = {p.tiles, p.count, capacity, block_m};
+  p.tiles = reinterpret_cast<moe_m_tile*>(base + plan_piece_bytes(schedule_head_words * sizeof(std::int32_t)));
+  p.schedule = {p.tiles, p.count, capacity, block_m, p.count + 1};
   return p;
 }
 

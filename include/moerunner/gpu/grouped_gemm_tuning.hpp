@@ -372,9 +372,24 @@ inline std::int64_t moe_m_tile_bound(std::int64_t rows, int num_experts, int blo
   return std::min(moe_m_tile_capacity(rows, num_experts, block_m), rows);
 }
 
+// Handed-out work items are 32-bit numbers: the largest a cluster can be given is the items
+// plus the clusters (kernels/moerunner/kernels/sm90_work_items.cuh).
+inline bool hand_out_items_fit(std::int64_t work_bound, std::int64_t clusters) {
+  return work_bound + clusters <= 0x7fffffff;
+}
+
+// The fp8 kernels' producers, handed out, hold each A row as a 32-bit byte offset (all ones: no
+// row): every byte of `rows` rows of k bytes must be addressable below that. The launch and the
+// plan bound the rows by the schedule's (capacity x schedule tile rows).
+inline bool hand_out_offsets_fit(std::int64_t rows, std::int64_t k) { return rows * k < 0xffffffffLL; }
+
+// A tile schedule's head: the tile count, then the work-item counters of the wgmma GEMMs that
+// hand their items out at run time (GEMM1's, GEMM2's), which the schedule writers zero.
+inline constexpr int schedule_head_words = 3;
+
 inline std::size_t tile_schedule_bytes(std::int64_t rows, int num_experts, int block_m) {
-  // The tile count, then the tiles, each in its own 256-byte piece.
-  return plan_piece_bytes(sizeof(std::int32_t)) +
+  // The head, then the tiles, each in its own 256-byte piece.
+  return plan_piece_bytes(schedule_head_words * sizeof(std::int32_t)) +
          plan_piece_bytes(static_cast<std::size_t>(moe_m_tile_capacity(rows, num_experts, block_m)) *
                           sizeof(moe_m_tile));
 }

@@ -141,7 +141,7 @@ inline device_target current_device_target_or_none() {
 // (a cluster of cluster_m CTAs) fits, and returns how many clusters run at once on the device,
 // sm_count for single CTAs; a cluster needs its CTAs on SMs of one GPC, which may leave some
 // SMs out.
-template <class T, class Policy, kernels::moe_gemm_kind Kind>
+template <class T, class Policy, kernels::moe_gemm_kind Kind, bool HandOut>
 int prepare_wgmma_gemm(const device_facts& dev) {
   constexpr wgmma_gemm_tuning tuning = Policy::tuning;
   constexpr const char* where = "gpu::launch_moe_gemm_wgmma";
@@ -151,7 +151,7 @@ int prepare_wgmma_gemm(const device_facts& dev) {
   if (cached) {
     if (const int n = places[dev.device].load(std::memory_order_relaxed); n > 0) return n;
   }
-  const auto kernel = kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind>;
+  const auto kernel = kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind, HandOut>;
   MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tuning.smem_bytes()));
   int n = 0;
   if constexpr (tuning.cluster_m == 1) {
@@ -172,7 +172,8 @@ int prepare_wgmma_gemm(const device_facts& dev) {
 // Launches one grouped GEMM of a wgmma tuning (Policy: sm90_wgmma_gemm_policy,
 // sm90_wgmma_m128x2_gemm_policy, sm90_wgmma_m64_gemm_policy or sm90_wgmma_m64n128_gemm_policy,
 // whose schedule_block_m the schedule must have been built for); `p.tiles`, `p.tile_count`
-// and `p.n_tiles` are filled here from `schedule`, as launch_moe_gemm does.
+// and `p.n_tiles` are filled here from `schedule`, as launch_moe_gemm does. With p.item_counter
+// (zero: schedule.item_counters) the work items are handed out at run time.
 template <class T, kernels::moe_gemm_kind Kind, class Policy = sm90_wgmma_gemm_policy>
 void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const tile_schedule& schedule,
                            const device_facts& dev, cudaStream_t stream, bool dependent_launch = false) {
@@ -198,7 +199,8 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   const CUtensorMap a_map = p.a_gathered ? weight_tensor_map(p.a, p.a_rows, static_cast<int>(p.a_rows), p.k, 1,
                                                              false, tuning.block_m)
                                          : map;
-  const int places = prepare_wgmma_gemm<T, Policy, Kind>(dev);
+  const bool hand_out = p.item_counter != nullptr;
+  const int places = hand_out ? prepare_wgmma_gemm<T, Policy, Kind, true>(dev) : prepare_wgmma_gemm<T, Policy, Kind, false>(dev);
   constexpr int cols = kernels::moe_gemm_wgmma<T, Policy, Kind>::out_cols;
   const std::int64_t n_tiles = (p.n + cols - 1) / cols;
   const int k_splits = p.k_splits;
@@ -213,13 +215,21 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   // One work item per cluster at a time: as many clusters as run at once, or as items.
   const std::int64_t work_bound = schedule.capacity * n_tiles * k_splits;
   const std::int64_t clusters = std::min<std::int64_t>({work_bound, places, 0x7fffffff / tuning.cluster_m});
+  MOE_EXPECT(!hand_out || hand_out_items_fit(work_bound, clusters), where,
+             "too many work items to hand out at run time (they are numbered in 32 bits)");
   p.tiles = schedule.tiles;
   p.tile_count = schedule.count;
   p.n_tiles = static_cast<int>(n_tiles);
   // The CTAs may start (barrier set-up, descriptor prefetch) while the previous kernel drains.
   const dim3 grid(static_cast<unsigned>(clusters * tuning.cluster_m));
-  launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind>, grid, dim3(tuning.threads()),
-                            tuning.smem_bytes(), stream, dependent_launch, tuning.cluster_m, p, map, a_map);
+  if (hand_out)
+    launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind, true>, grid,
+                              dim3(tuning.threads()), tuning.smem_bytes(), stream, dependent_launch, tuning.cluster_m,
+                              p, map, a_map);
+  else
+    launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_kernel<T, Policy, Kind, false>, grid,
+                              dim3(tuning.threads()), tuning.smem_bytes(), stream, dependent_launch, tuning.cluster_m,
+                              p, map, a_map);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_kernel");
 }
 

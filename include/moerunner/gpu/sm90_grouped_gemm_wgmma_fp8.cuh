@@ -45,7 +45,7 @@ void quantize_rows_fp8(const T* x, std::int64_t rows, int h, std::uint8_t* q, fl
 // Sets the kernel's dynamic shared memory limit once per device, checks that a CTA (a pair of
 // them) fits, and returns how many run at once: sm_count CTAs, or the pairs resident at once
 // (a pair needs two SMs of one GPC, which may leave some SMs out).
-template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM, fp8_k_loop Loop>
+template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM, fp8_k_loop Loop, bool HandOut>
 int prepare_wgmma_fp8_gemm(const device_facts& dev) {
   constexpr int cached_devices = 64;
   static std::array<std::atomic<int>, cached_devices> places{};  // 0: not prepared yet
@@ -54,7 +54,7 @@ int prepare_wgmma_fp8_gemm(const device_facts& dev) {
     if (const int n = places[dev.device].load(std::memory_order_relaxed); n > 0) return n;
   }
   using shape = kernels::wgmma_fp8_shape<BlockM>;
-  const auto kernel = kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop>;
+  const auto kernel = kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop, HandOut>;
   MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shape::smem_bytes));
   int n = 0;
   if constexpr (Cluster == 1) {
@@ -76,7 +76,9 @@ int prepare_wgmma_fp8_gemm(const device_facts& dev) {
 // for 128-row ones that a pair of 64-row CTAs shares, each weight tile multicast to both), with
 // the K loop Loop (fp8_k_loop; other than plain on 64-row CTAs only); b is
 // the e4m3 weights [num_experts, p.g.b_rows_per_expert, p.g.k]. Fills p.g.tiles, tile_count and
-// n_tiles.
+// n_tiles. With p.g.item_counter (zero: schedule.item_counters) the work items are handed out at
+// run time (64-row CTAs with the plain K loop only: the 128-row CTAs' producer, at 40 registers,
+// spilled with the hand-out's state).
 template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM = fp8_block_m,
           fp8_k_loop Loop = fp8_k_loop::plain>
 void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uint8_t* b, int num_experts,
@@ -97,7 +99,15 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
              "only the gated GEMM1 reads interleaved gate/up rows");
   const CUtensorMap map =
       weight_tensor_map(b, g.b_rows_per_expert, g.n, g.k, num_experts, g.interleaved, tile_t::box_rows);
-  const int places = prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop>(dev);
+  const bool hand_out = g.item_counter != nullptr;
+  constexpr bool may_hand_out = Loop == fp8_k_loop::plain && BlockM == fp8_block_m;
+  MOE_EXPECT(!hand_out || may_hand_out, where,
+             "work items are handed out to 64-row CTAs with the plain K loop only");
+  int places = 0;
+  if constexpr (may_hand_out)
+    places = hand_out ? prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop, true>(dev)
+                      : prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop, false>(dev);
+  else places = prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop, false>(dev);
   const std::int64_t n_tiles = (g.n + tile_t::out_cols - 1) / tile_t::out_cols;
   const bool may_split = Kind == kernels::moe_gemm_kind::down && (g.store == kernels::down_store::accumulate ||
                                                                    g.store == kernels::down_store::partials);
@@ -108,12 +118,25 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
   MOE_EXPECT(g.raster_band >= 1, where, "raster_band must be positive");
   const std::int64_t work_bound = schedule.capacity * n_tiles * g.k_splits;
   const std::int64_t clusters = std::min<std::int64_t>(work_bound, places);
+  MOE_EXPECT(!hand_out || hand_out_items_fit(work_bound, clusters), where,
+             "too many work items to hand out at run time (they are numbered in 32 bits)");
+  MOE_EXPECT(!hand_out || hand_out_offsets_fit(schedule.capacity * schedule.block_m, g.k), where,
+             "too many rows to hand out the work items (their A rows are 32-bit byte offsets)");
   g.tiles = schedule.tiles;
   g.tile_count = schedule.count;
   g.n_tiles = static_cast<int>(n_tiles);
-  launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop>,
-                            dim3(static_cast<unsigned>(clusters * Cluster)), dim3(tile_t::threads), tile_t::smem_bytes,
-                            stream, dependent_launch, Cluster, p, map);
+  const dim3 grid(static_cast<unsigned>(clusters * Cluster));
+  if constexpr (may_hand_out) {
+    if (hand_out) {
+      launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop, true>,
+                                grid, dim3(tile_t::threads), tile_t::smem_bytes, stream, dependent_launch, Cluster, p,
+                                map);
+      MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_fp8_kernel");
+      return;
+    }
+  }
+  launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop, false>, grid,
+                            dim3(tile_t::threads), tile_t::smem_bytes, stream, dependent_launch, Cluster, p, map);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_fp8_kernel");
 }
 

@@ -180,6 +180,9 @@ struct moe_gemm_params {
   // producer loads by TMA boxes (the kernel's a_map over them) instead of gathering by cp.async.
   bool a_gathered = false;
   std::int64_t a_rows = 0;  // a_gathered: rows of a (M * top_k)
+  // wgmma only: the work items are handed out at run time from this counter (0 before the
+  // launch, and again after it: sm90_work_items.cuh) instead of in fixed turns; null: fixed.
+  std::int32_t* item_counter = nullptr;
 };
 
 // The row of expert's B holding output column `col`: for gate_up its gate (half 0) or up (half 1)

@@ -59,7 +59,7 @@ struct plan_args {
   // The M-tile schedule, written too when `tiles` is set (not to be confused with the tiles of
   // slots above): as moe_tile_schedule_kernel writes it from the offsets.
   gpu::moe_m_tile* tiles = nullptr;      // [tile_capacity]
-  std::int32_t* tile_count = nullptr;    // [1]: tiles used
+  std::int32_t* tile_count = nullptr;    // the schedule head: tiles used, then the item counters
   int block_m = 0;
   int tile_capacity = 0;
 };
@@ -155,7 +155,7 @@ __device__ __forceinline__ void note_schedule_bounds(const plan_args& a, int* fi
                                                      unsigned long long before) {
   first_tile[e] = packed_tiles(before);
   first_row[e] = packed_rows(before);
-  if (e == a.num_experts) *a.tile_count = m_tiles_used(packed_tiles(before), a.tile_capacity);
+  if (e == a.num_experts) write_schedule_head(a.tile_count, m_tiles_used(packed_tiles(before), a.tile_capacity));
 }
 
 // Writes both maps for the slots ranked by rank_warp_slots, given each warp's first row per

@@ -30,6 +30,15 @@ __device__ __forceinline__ int m_tiles_of(int rows, int block_m) {
   return rows > 0 ? rows / block_m + (rows % block_m != 0 ? 1 : 0) : 0;
 }
 
+// The schedule's head (gpu::schedule_head_words): the tiles used, and the wgmma GEMMs' work-item
+// counters at 0 (sm90_work_items.cuh: each launch leaves its counter at 0 again; this is for a
+// workspace's first use).
+__device__ __forceinline__ void write_schedule_head(std::int32_t* head, int used) {
+  head[0] = used;
+#pragma unroll
+  for (int i = 1; i < gpu::schedule_head_words; ++i) head[i] = 0;
+}
+
 // The tiles a schedule writes: a plan that promised more rows than slots cannot happen, and
 // clamping to the capacity keeps the GEMMs in bounds anyway.
 __device__ __forceinline__ int m_tiles_used(int total, int capacity) { return total < capacity ? total : capacity; }
@@ -88,7 +97,7 @@ __global__ void __launch_bounds__(schedule_threads)
   const int used = m_tiles_used(total, capacity);
   if (threadIdx.x == 0) {
     first_tile[num_experts] = total;
-    *tile_count = used;
+    write_schedule_head(tile_count, used);
   }
   __syncthreads();
 

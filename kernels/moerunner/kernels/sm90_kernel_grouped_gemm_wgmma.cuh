@@ -56,13 +56,14 @@
 #include "moerunner/kernels/sm90_cluster_tiles.cuh"
 #include "moerunner/kernels/sm90_ptx.cuh"
 #include "moerunner/kernels/sm90_wgmma_epilogue.cuh"
+#include "moerunner/kernels/sm90_work_items.cuh"
 
 namespace moerunner::kernels {
 
 // ---------------------------------------------------------------------------------------------
 // The kernel
 
-template <class T, class Policy, moe_gemm_kind Kind>
+template <class T, class Policy, moe_gemm_kind Kind, bool HandOut = false>
 struct moe_gemm_wgmma {
   static constexpr gpu::wgmma_gemm_tuning tuning = Policy::tuning;
   static constexpr int bm = tuning.block_m, bn = tuning.block_n, bk = tuning.block_k, stages = tuning.stages;
@@ -97,8 +98,17 @@ struct moe_gemm_wgmma {
     std::uint64_t full[stages];
     std::uint64_t empty[stages];
   };
+  static_assert(work_item_ring::depth > stages + 2, "the producer must never wait for a work item slot");
+  using items_t = item_loop<HandOut, cluster>;
+  __device__ __forceinline__ static items_t items_of(const moe_gemm_params<T>& p, work_item_ring* ring) {
+    return make_item_loop<HandOut, cluster>(*p.tile_count, p.n_tiles, p.k_splits, ring, p.item_counter);
+  }
+  // Warps of a CTA that read the handed-out items: the producer's (one thread with A by TMA)
+  // and the consumers'.
+  __device__ __forceinline__ static int item_readers(const moe_gemm_params<T>& p) {
+    return (p.a_gathered ? 1 : producer_threads / 32) + consumer_warps;
+  }
 
-  __device__ __forceinline__ static cta_place place() { return cluster_place<cluster>(); }
   __device__ __forceinline__ static gpu::moe_m_tile cta_rows(const gpu::moe_m_tile& t, int rank) {
     return cluster_cta_rows<cluster, bm>(t, rank);
   }
@@ -128,13 +138,15 @@ struct moe_gemm_wgmma {
 
   // p.a_gathered: thread 0 alone, A and B by TMA per K tile.
   __device__ static void producer_tma(const moe_gemm_params<T>& p, const CUtensorMap* a_map,
-                                      const CUtensorMap* b_map, unsigned char* ring, barriers& bars) {
+                                      const CUtensorMap* b_map, unsigned char* ring, barriers& bars,
+                                      work_item_ring* item_ring) {
     const int k_tiles = (p.k + bk - 1) / bk;
     const int tiles = *p.tile_count;
-    const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles * p.k_splits;
-    const cta_place me = place();
+    items_t items = items_of(p, item_ring);
+    const cta_place me = items.me;
     std::uint32_t it = 0;
-    for (std::int64_t w = me.first; w < work; w += me.stride) {
+    for (auto w = items.first(); w < items.work; w = items.next_thread(w)) {
+      items.ask();
       const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, p.raster_band);
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = cta_rows(p.tiles[item.m_tile], me.rank);
@@ -151,21 +163,23 @@ struct moe_gemm_wgmma {
                                         &bars.full[stage]);
         load_b(b_map, &bars.full[stage], sa + a_bytes, kt * bk, n0, tile.expert, me.rank, p.interleaved);
       }
+      items.publish();
     }
   }
 
   __device__ static void producer(const moe_gemm_params<T>& p, const CUtensorMap* b_map, unsigned char* ring,
-                                  barriers& bars) {
+                                  barriers& bars, work_item_ring* item_ring) {
     const int tid = threadIdx.x;  // 0..127
     const int ld_row = tid / chunks_per_row, ld_chunk = tid % chunks_per_row;
     // All rows this thread copies are congruent mod 8, so the swizzled chunk is the same for all.
     const int st_chunk = ld_chunk ^ (ld_row & 7);
     const int k_tiles = (p.k + bk - 1) / bk;
     const int tiles = *p.tile_count;
-    const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles * p.k_splits;
-    const cta_place me = place();
+    items_t items = items_of(p, item_ring);
+    const cta_place me = items.me;
     std::uint32_t it = 0;  // K tiles issued so far, over every work item of this CTA
-    for (std::int64_t w = me.first; w < work; w += me.stride) {
+    for (auto w = items.first(); w < items.work; w = items.next_warp(w)) {
+      items.ask();
       const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, p.raster_band);
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = cta_rows(p.tiles[item.m_tile], me.rank);
@@ -215,6 +229,7 @@ struct moe_gemm_wgmma {
           }
         }
       }
+      items.publish();
     }
     if constexpr (!tuning.async_a_arrive) {
       cp_async_wait<0>();
@@ -233,7 +248,8 @@ struct moe_gemm_wgmma {
     return halves == 2 ? block * box_rows + 64 * group : 128 * group + 64 * block;
   }
 
-  __device__ static void consumer(const moe_gemm_params<T>& p, unsigned char* ring, barriers& bars) {
+  __device__ static void consumer(const moe_gemm_params<T>& p, unsigned char* ring, barriers& bars,
+                                  work_item_ring* item_ring) {
     const int group = threadIdx.x / 128 - 1;  // consumer warpgroup
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int k_tiles = (p.k + bk - 1) / bk;
@@ -241,8 +257,9 @@ struct moe_gemm_wgmma {
     if constexpr (Kind != moe_gemm_kind::down)
       clear_output(p, static_cast<int>(threadIdx.x) - producer_threads, 128 * consumers);
     const int tiles = *p.tile_count;
-    const std::int64_t work = static_cast<std::int64_t>(tiles) * p.n_tiles * p.k_splits;
-    const cta_place me = place();
+    items_t items = items_of(p, item_ring);
+    const auto work = items.work;
+    const cta_place me = items.me;
     const std::uint32_t ring_addr = smem_address(ring);
     // A stage read by this warp's wgmma is free again for this CTA's producer and, in a
     // cluster, for the peer's, which multicasts into it.
@@ -255,19 +272,24 @@ struct moe_gemm_wgmma {
     std::uint32_t it = 0;
     float acc0[acc0_regs], acc1[acc1_regs];
     // Each work item's tile is loaded one item ahead: read at the item's start, its global-load
-    // latency kept the tensor cores idle once per item.
+    // latency kept the tensor cores idle once per item. Handed out, the next item is known only
+    // once the producer has issued this one's K tiles: it is read after the K loop (before, the
+    // wait could hold the stages the producer waits for), in the epilogue's shadow.
     moe_work_item next_item{};
     gpu::moe_m_tile next_tile{};
-    if (me.first < work) {
-      next_item = decode_work_item(me.first, tiles, p.n_tiles, p.k_splits, p.raster_band);
-      next_tile = p.tiles[next_item.m_tile];
-    }
-    for (std::int64_t w = me.first; w < work; w += me.stride) {
+    const auto read_ahead = [&](typename items_t::index next) {
+      if (next < work) {
+        next_item = decode_work_item(next, tiles, p.n_tiles, p.k_splits, p.raster_band);
+        next_tile = p.tiles[next_item.m_tile];
+      }
+    };
+    read_ahead(items.first());
+    for (auto w = items.first(), w_next = w; w < work; w = w_next) {
       const moe_work_item item = next_item;
       const gpu::moe_m_tile tile = cta_rows(next_tile, me.rank);
-      if (w + me.stride < work) {
-        next_item = decode_work_item(w + me.stride, tiles, p.n_tiles, p.k_splits, p.raster_band);
-        next_tile = p.tiles[next_item.m_tile];
+      if constexpr (!HandOut) {
+        w_next = items.next_warp(w);
+        read_ahead(w_next);
       }
       const int n0 = item.n_tile * out_cols;
       const int rows = tile.row_end - tile.row_begin;
@@ -321,6 +343,10 @@ struct moe_gemm_wgmma {
       wgmma_fence_operands(acc0);
       wgmma_fence_operands(acc1);
       if (lane == 0) release((it - 1) % stages);
+      if constexpr (HandOut) {
+        w_next = items.next_warp(w);
+        read_ahead(w_next);
+      }
       if (!active) continue;
       // Accumulator register 4j + 2h + q of a 64 x N block holds row 16 warp + lane / 4 + 8h of
       // the block and column 8j + 2(lane % 4) + q (the PTX m64nNk16 D layout).
@@ -356,13 +382,15 @@ struct moe_gemm_wgmma {
 // K split into p.k_splits ranges (GEMM2 into the output or into f32 parts only). The body
 // exists only in sm_90a code; elsewhere it traps, and its static shared memory is then zero,
 // which is how the launch code tells that it cannot run (see gpu::wgmma_gemm_available).
-template <class T, class Policy, moe_gemm_kind Kind>
+template <class T, class Policy, moe_gemm_kind Kind, bool HandOut = false>
 __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
     moe_grouped_gemm_wgmma_kernel(const moe_gemm_params<T> p, const __grid_constant__ CUtensorMap b_map,
                                   const __grid_constant__ CUtensorMap a_map) {
 #if MOERUNNER_WGMMA_COMPILED
-  using tile_t = moe_gemm_wgmma<T, Policy, Kind>;
+  using tile_t = moe_gemm_wgmma<T, Policy, Kind, HandOut>;
   __shared__ typename tile_t::barriers bars;
+  // Handed-out work items only (unreferenced, and so absent, in fixed turns).
+  __shared__ work_item_ring item_ring;
   extern __shared__ unsigned char wgmma_smem_raw[];
   // The 128-byte swizzle repeats every 1024 bytes, and TMA and the descriptors assume tiles on
   // those boundaries; dynamic smem is only promised 16-byte alignment.
@@ -376,6 +404,7 @@ __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
       // Every consumer warp of the cluster releases every CTA's stage (see the top).
       cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps * tile_t::cluster);
     }
+    if constexpr (HandOut) init_work_item_ring<tile_t::cluster>(item_ring, tile_t::item_readers(p));
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&b_map) : "memory");
     if (p.a_gathered) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&a_map) : "memory");
@@ -389,11 +418,11 @@ __global__ void __launch_bounds__(Policy::tuning.threads(), 1)
   allow_dependent_grids();
   if (threadIdx.x < tile_t::producer_threads) {
     if constexpr (tile_t::consumers > 1) setmaxnreg_dec<tile_t::producer_regs>();
-    if (!p.a_gathered) tile_t::producer(p, &b_map, ring, bars);
-    else if (threadIdx.x == 0) tile_t::producer_tma(p, &a_map, &b_map, ring, bars);
+    if (!p.a_gathered) tile_t::producer(p, &b_map, ring, bars, &item_ring);
+    else if (threadIdx.x == 0) tile_t::producer_tma(p, &a_map, &b_map, ring, bars, &item_ring);
   } else {
     if constexpr (tile_t::consumers > 1) setmaxnreg_inc<tile_t::consumer_regs>();
-    tile_t::consumer(p, ring, bars);
+    tile_t::consumer(p, ring, bars, &item_ring);
   }
   // The peer's last releases and multicasts land in this CTA's shared memory: stay until both are done.
   if constexpr (tile_t::cluster > 1) cluster_sync();

@@ -53,6 +53,7 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda.h>
 #include <cuda/ptx>
@@ -66,6 +67,7 @@
 #include "moerunner/kernels/sm90_cluster_tiles.cuh"
 #include "moerunner/kernels/sm90_ptx.cuh"
 #include "moerunner/kernels/sm90_wgmma_epilogue.cuh"
+#include "moerunner/kernels/sm90_work_items.cuh"
 
 namespace moerunner::kernels {
 
@@ -93,7 +95,7 @@ __device__ __forceinline__ float quad_max(float v) {
 }
 
 template <class T, moe_gemm_kind Kind, int Cluster, int BlockM = gpu::fp8_block_m,
-          gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain>
+          gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain, bool HandOut = false>
 struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   using shape = wgmma_fp8_shape<BlockM>;
   using shape::a_bytes, shape::b_bytes, shape::block_k, shape::block_m, shape::block_n, shape::consumers,
@@ -132,6 +134,14 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     std::uint64_t full[stages];
     std::uint64_t empty[stages];
   };
+  static_assert(work_item_ring::depth > stages + 2, "the producer must never wait for a work item slot");
+  static_assert(!HandOut || (!lean_producer && Loop == gpu::fp8_k_loop::plain),
+                "work items are handed out to 64-row CTAs with the plain K loop (a lean producer spilled)");
+  using items_t = item_loop<HandOut, Cluster>;
+  __device__ __forceinline__ static items_t items_of(const moe_gemm_params<T>& g, work_item_ring* ring) {
+    return make_item_loop<HandOut, Cluster>(*g.tile_count, g.n_tiles, g.k_splits, ring, g.item_counter);
+  }
+  static constexpr int item_readers = producer_threads / 32 + consumer_warps;  // warps that read the items
 
   // stagger: named barriers 2 and 3 (0 is __syncthreads', 1 the gate_up epilogue's exchange) are
   // the warpgroups' turns; each counts both warpgroups (one waits, the other arrives).
@@ -155,8 +165,30 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     }
   }
 
+  // An A row a producer thread copies: its source row (-1: none), or handed out its byte offset
+  // in 32 bits (all ones: none), one register where the item loop takes a few more
+  // (gpu::hand_out_offsets_fit bounds the rows). Rows are k bytes, their scales k / 128 floats.
+  using a_row = std::conditional_t<HandOut, std::uint32_t, int>;
+  static constexpr std::uint32_t no_a_row = 0xffffffffu;
+  __device__ __forceinline__ static a_row a_row_of(int src, int k) {
+    if constexpr (HandOut) return src < 0 ? no_a_row : static_cast<std::uint32_t>(src) * static_cast<std::uint32_t>(k);
+    else return src;
+  }
+  __device__ __forceinline__ static bool a_row_valid(a_row a) {
+    if constexpr (HandOut) return a != no_a_row;
+    else return a >= 0;
+  }
+  __device__ __forceinline__ static std::int64_t a_data_offset(a_row a, int k, int kcol) {
+    if constexpr (HandOut) return a + static_cast<std::uint32_t>(kcol);
+    else return static_cast<std::int64_t>(a) * k + kcol;
+  }
+  __device__ __forceinline__ static std::int64_t a_scale_index(a_row a, int stride, int kt) {
+    if constexpr (HandOut) return (a / fp8_group) + static_cast<std::uint32_t>(kt);
+    else return static_cast<std::int64_t>(a) * stride + kt;
+  }
+
   __device__ static void producer(const moe_gemm_fp8_params<T>& p, const CUtensorMap* b_map, unsigned char* ring,
-                                  barriers& bars) {
+                                  barriers& bars, work_item_ring* item_ring) {
     const moe_gemm_params<T>& g = p.g;
     const int tid = threadIdx.x;  // 0..127
     const int ld_row = tid / chunks_per_row, ld_chunk = tid % chunks_per_row;
@@ -165,19 +197,20 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     const int a_scale_stride = k_tiles;
     const std::int64_t b_scale_rows = g.b_rows_per_expert / fp8_group;
     const int tiles = *g.tile_count;
-    const std::int64_t work = static_cast<std::int64_t>(tiles) * g.n_tiles * g.k_splits;
-    const cta_place me = cluster_place<Cluster>();
+    items_t items = items_of(g, item_ring);
+    const cta_place me = items.me;
     std::uint32_t it = 0;
-    for (std::int64_t w = me.first; w < work; w += me.stride) {
+    for (auto w = items.first(); w < items.work; w = items.next_warp(w)) {
+      items.ask();
       const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = cluster_cta_rows<Cluster, bm>(g.tiles[item.m_tile], me.rank);
       int kt_begin = 0, kt_end = 0;
       split_k_range(k_tiles, item.split, g.k_splits, kt_begin, kt_end);
-      int a_src_row[a_passes];
+      a_row a_src_row[a_passes];
 #pragma unroll
       for (int i = 0; i < a_passes; ++i)
-        a_src_row[i] = a_source_row<Kind>(tile, ld_row + i * rows_per_pass, g.row_to_slot, g.top_k);
+        a_src_row[i] = a_row_of(a_source_row<Kind>(tile, ld_row + i * rows_per_pass, g.row_to_slot, g.top_k), g.k);
       // The B scale this thread copies per stage (threads of chunk 1, one per box), or none
       // (per channel: the epilogue applies the scales).
       const bool per_block = p.b_scaling == fp8_weight_scaling::block128;
@@ -225,24 +258,24 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
           if constexpr (lean_producer) asm volatile("" : "+r"(a_src_row[i]));
           // Rows past the tile keep whatever the stage held: their results are never stored, and
           // a wgmma row reads only its own A row (and its own scale).
-          if (a_src_row[i] < 0) continue;
+          if (!a_row_valid(a_src_row[i])) continue;
           const int r = ld_row + i * rows_per_pass;
-          const std::uint8_t* src = p.a + static_cast<std::int64_t>(a_src_row[i]) * g.k + kcol;
-          cp_async_16(smem_address(sa + r * bk + st_chunk * 16), src, true);
+          cp_async_16(smem_address(sa + r * bk + st_chunk * 16), p.a + a_data_offset(a_src_row[i], g.k, kcol), true);
           if (ld_chunk == 0)
             cp_async_4(smem_address(sa + a_scale_offset + r * 4),
-                       p.a_scale + static_cast<std::int64_t>(a_src_row[i]) * a_scale_stride + kt, true);
+                       p.a_scale + a_scale_index(a_src_row[i], a_scale_stride, kt), true);
         }
         if (copies_b_scale)
           cp_async_4(smem_address(sa + b_scale_offset + ld_row * 4),
                      p.b_scale + (b_scale_ok ? b_scale_base + (per_block ? kt : 0) : 0), b_scale_ok);
         cp_async_arrive_noinc(&bars.full[stage]);
       }
+      items.publish();
     }
   }
 
   __device__ static void consumer(const moe_gemm_fp8_params<T>& p, unsigned char* ring, barriers& bars,
-                                  float (&amax_exchange)[2][consumers][block_m]) {
+                                  float (&amax_exchange)[2][consumers][block_m], work_item_ring* item_ring) {
     const moe_gemm_params<T>& g = p.g;
     const int group = threadIdx.x / 128 - 1;  // consumer warpgroup
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
@@ -251,9 +284,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     if constexpr (Kind != moe_gemm_kind::down)
       clear_output(g, static_cast<int>(threadIdx.x) - producer_threads, 128 * consumers);
     const int tiles = *g.tile_count;
-    const std::int64_t work = static_cast<std::int64_t>(tiles) * g.n_tiles * g.k_splits;
+    items_t items = items_of(g, item_ring);
     const std::uint32_t ring_addr = smem_address(ring);
-    const cta_place me = cluster_place<Cluster>();
+    const cta_place me = items.me;
     // The warpgroup's rows of the tile, and its first B block (the other follows with tall tiles).
     const int row_base = tall ? 64 * group : 0, first_block = tall ? 0 : group;
     std::uint32_t it = 0;
@@ -264,7 +297,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     if constexpr (stagger)
       if (group == 1) named_barrier_arrive(turn_barrier);
     float acc[64 * blocks], part[overlap ? 1 : 64];  // overlap: the sums are k_loop_overlapped's
-    for (std::int64_t w = me.first; w < work; w += me.stride) {
+    // Handed out, the next item is read as the loop goes on to it: by then the producer has
+    // issued this item's K tiles, and with them published the next.
+    for (auto w = items.first(); w < items.work; w = items.next_warp(w)) {
       const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = cluster_cta_rows<Cluster, bm>(g.tiles[item.m_tile], me.rank);
@@ -592,12 +627,14 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
 // Persistent CTAs over work items in decode_work_item's order, K split into g.k_splits ranges
 // (GEMM2 into the output or f32 parts only). The body exists only in sm_90a code; elsewhere it
 // traps (the launch code checks first).
-template <class T, moe_gemm_kind Kind, int Cluster, int BlockM, gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain>
+template <class T, moe_gemm_kind Kind, int Cluster, int BlockM, gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain,
+          bool HandOut = false>
 __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
     moe_grouped_gemm_wgmma_fp8_kernel(const moe_gemm_fp8_params<T> p, const __grid_constant__ CUtensorMap b_map) {
 #if MOERUNNER_WGMMA_COMPILED
-  using tile_t = moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Loop>;
+  using tile_t = moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Loop, HandOut>;
   __shared__ typename tile_t::barriers bars;
+  __shared__ work_item_ring item_ring;  // handed-out work items only
   __shared__ float amax_exchange[2][tile_t::consumers][tile_t::block_m];
   extern __shared__ unsigned char wgmma_fp8_smem_raw[];
   const std::uint32_t raw = smem_address(wgmma_fp8_smem_raw);
@@ -608,6 +645,7 @@ __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
       // Every consumer warp of the cluster releases every CTA's stage (see the consumer).
       cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps * Cluster);
     }
+    if constexpr (HandOut) init_work_item_ring<Cluster>(item_ring, tile_t::item_readers);
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&b_map) : "memory");
   }
@@ -618,10 +656,10 @@ __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
   allow_dependent_grids();
   if (threadIdx.x < tile_t::producer_threads) {
     setmaxnreg_dec<tile_t::producer_regs>();
-    tile_t::producer(p, &b_map, ring, bars);
+    tile_t::producer(p, &b_map, ring, bars, &item_ring);
   } else {
     setmaxnreg_inc<tile_t::consumer_regs>();
-    tile_t::consumer(p, ring, bars, amax_exchange);
+    tile_t::consumer(p, ring, bars, amax_exchange, &item_ring);
   }
   // The peer's last releases and multicasts land in this CTA's shared memory: stay until both are done.
   if constexpr (Cluster > 1) cluster_sync();

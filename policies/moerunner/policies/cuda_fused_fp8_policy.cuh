@@ -85,13 +85,14 @@ class cuda_fused_fp8_policy {
   gpu::fp8_plan plan(std::int64_t num_tokens, const gpu::device_target& dev) const {
     return gpu::make_fp8_plan(cfg_, num_tokens, dev, settings_);
   }
-  // Force the stream GEMMs, pairs of wgmma CTAs or 128-row wgmma CTAs on or off, or the wgmma
-  // GEMMs' K loop or raster band (unset: the plan's rules), for measuring one against the other
-  // (gpu::fp8_settings).
+  // Force the stream GEMMs, pairs of wgmma CTAs or 128-row wgmma CTAs on or off, the wgmma
+  // GEMMs' K loop or raster band, or their work items handed out at run time (unset: the plan's
+  // rules), for measuring one against the other (gpu::fp8_settings).
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
   void set_tall(std::optional<bool> on) noexcept { settings_.tall = on; }
   void set_k_loop(std::optional<gpu::fp8_k_loop> loop) noexcept { settings_.k_loop = loop; }
+  void set_hand_out(std::optional<bool> on) noexcept { settings_.hand_out = on; }
   // (A band below 1 is refused by the plan, so by the next plan, workspace_bytes or run.)
   void set_raster_band(std::optional<int> band) noexcept { settings_.raster_band = band; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
@@ -264,6 +265,10 @@ class cuda_fused_fp8_policy {
     g2.g.local_slots = g1.g.local_slots;
     g2.g.local_experts = g1.g.local_experts;
 
+    if (pl.hand_out) {
+      g1.g.item_counter = schedule.item_counters;
+      g2.g.item_counter = schedule.item_counters + 1;
+    }
     if (pl.stream) {
       run_stream(g1, g2, q, pl, schedule, base, dev, stream);
     } else {

@@ -137,6 +137,9 @@ class cuda_fused_policy {
   // workspace bytes) instead of gathering them itself by cp.async; unset, with the 128-row
   // tiles only (gpu::fused_plan::gather_a), for measuring it.
   void set_gather_a(std::optional<bool> on) noexcept { settings_.gather_a = on; }
+  // Whether the wgmma GEMMs hand their work items out at run time (each cluster asks for the
+  // next as it starts one) instead of in fixed turns; unset, off (gpu::fused_plan::hand_out).
+  void set_hand_out(std::optional<bool> on) noexcept { settings_.hand_out = on; }
   // The stream GEMMs' use of L2 (gpu::stream_l2_use; the defaults measured fastest), for
   // measuring it.
   void set_stream_l2(const gpu::stream_l2_use& use) {
@@ -384,6 +387,10 @@ class cuda_fused_policy {
     g2.local_ids = g1.local_ids;
     g2.local_slots = g1.local_slots;
     g2.local_experts = g1.local_experts;
+    if (pl.hand_out) {
+      g1.item_counter = schedule.item_counters;
+      g2.item_counter = schedule.item_counters + 1;
+    }
     // Deterministic split-K: f32 parts per split, summed in split order by combine.
     gpu::set_down_store(g2, pl.down, base + lay.rows, slots, out, row_weights, scale);
     if constexpr (stream_gemm) {
