@@ -416,7 +416,7 @@ TEST_CASE("cuda_fused with the wgmma tiles: work items handed out at run time, t
       {{300, 8, 2, odd_h, odd_i}, {.ids = ids_kind::random_filtered}},
       {{700, 8, 2, 512, 256}, {.ids = ids_kind::skewed}},              // pairs with empty halves
       {{130, 8, 2, 256, 256}, {.ids = ids_kind::one_expert, .interleaved = true}},
-      {{2000, 8, 2, 256, 512}, {.weight_on_input = true}},             // several items per cluster
+      {{2000, 8, 1, 256, 512}, {.weight_on_input = true}},             // several items per cluster
       {{64, 8, 2, 256, 256}, {.gated = false, .inplace = true}},
   };
   const tuning wgmma_tiles[] = {tuning::sm90_wgmma_m64, tuning::sm90_wgmma_m64n128, tuning::sm90_wgmma_m128,

@@ -39,6 +39,14 @@ constexpr double fp8_bound = 1e-2;
 // (measured up to 3.05e-2), while the normwise error over all tokens stays under 1e-2.
 constexpr double fp8_token_bound = 3e-2;
 constexpr int fp8_token_bound_min_i = 1024;
+// The normwise bound rests on averaging over many act values. Where the output comes from few
+// (M * k * I under 16384), one flip of a large act value moves all of it by about 1% (measured
+// 1.11e-2 at M = 1, k = 2, I = 128, and at M = 7, k = 2, I = 256): there the bound that holds is
+// the per-token one (one flip per token).
+constexpr std::int64_t fp8_normwise_min_act = 16384;
+double normwise_bound(const shape& s) {
+  return static_cast<std::int64_t>(s.m) * s.k * s.i >= fp8_normwise_min_act ? fp8_bound : fp8_token_bound;
+}
 
 bool fp8_gpu() { return mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts()); }
 
@@ -209,7 +217,7 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
     CHECK(g.runner.describe(s.m).find("wgmma e4m3 m128") != std::string::npos);
   const host_tensor got = g.run_once(p);
   const double err = mr::test::rel_error(got.view, p.ref.view);
-  CHECK_MESSAGE(err <= fp8_bound, "rel err ", err, " bound ", fp8_bound);
+  CHECK_MESSAGE(err <= normwise_bound(s), "rel err ", err, " bound ", normwise_bound(s));
   const double tok = worst_token_error(got, p.ref, s.m);
   if (s.i >= fp8_token_bound_min_i) CHECK_MESSAGE(tok <= fp8_token_bound, "worst token rel err ", tok);
   return err;
@@ -486,7 +494,7 @@ TEST_CASE("fp8: NaN stays in its token") {
       if (t == 5) CHECK(nan);
       else CHECK_MESSAGE(finite, "token ", t, " caught the NaN");
     }
-    CHECK(mr::test::rel_error(got.view, p.ref.view) <= fp8_bound);
+    CHECK(mr::test::rel_error(got.view, p.ref.view) <= normwise_bound(p.base.s));
   }
 }
 

@@ -11,11 +11,13 @@
 // One thread per cluster, the taker (thread 0 of rank 0), asks a global counter for the next
 // item (atomicAdd) when its cluster starts an item, so the atomic's latency hides behind the
 // item's loads, and publishes the answer once the producer has issued that item's last K tile:
-// into a small ring in shared memory (the peer's too, through the cluster's shared window),
-// completing the slot's `full` barrier. Every warp of the cluster that walks the items reads the
-// slot and then arrives on the taker's `empty` barrier of that slot, which the taker waits on
-// before it writes that slot again. The producer publishes ahead of the consumers (it runs
-// stages K tiles ahead), so a consumer never waits for an item it could not start anyway.
+// into a small ring in shared memory, completing the slot's `full` barrier (and into the peer's
+// ring by an asynchronous store that completes the peer's barrier as a TMA load would). Every
+// warp of the cluster that walks the items reads the slot and then arrives on the taker's
+// `empty` barrier of that slot, which the taker waits on before it writes that slot again. The
+// barriers are used as the stages' are (CTA-scope waits, releases as arrivals). The producer
+// publishes ahead of the consumers (it runs stages K tiles ahead), so a consumer never waits for
+// an item it could not start anyway.
 //
 // The counter counts asks: every cluster with a first item asks once per item it runs (the last
 // answer is past the end), so there are exactly `work` asks, and the one answered work - 1 sets
@@ -43,7 +45,7 @@ struct work_item_ring {
   // consumers, never waits for a slot to be read.
   static constexpr int depth = 16;
   std::int32_t item[depth];
-  std::uint64_t full[depth];   // one arrival: the taker's
+  std::uint64_t full[depth];   // one arrival: the taker's (the peer's: with the item's 4 bytes)
   std::uint64_t empty[depth];  // rank 0's counts every reading warp of the cluster
 };
 
@@ -59,47 +61,24 @@ __device__ __forceinline__ void init_work_item_ring(work_item_ring& r, int reade
 
 namespace work_items_detail {
 
-// Waits with cluster-scope acquire: the slot may have been written by the peer CTA.
-__device__ __forceinline__ void wait_cluster(std::uint64_t* bar, std::uint32_t parity) {
-#if defined(MOERUNNER_BARRIER_WATCHDOG)
-  const long long start = clock64();
-  while (!cuda::ptx::mbarrier_try_wait_parity(cuda::ptx::sem_acquire, cuda::ptx::scope_cluster, bar, parity)) {
-    if (clock64() - start > (1ll << 33)) {
-      printf("moerunner: work item ring wait stalled: block %u thread %u\n", blockIdx.x, threadIdx.x);
-      __trap();
-    }
-  }
-#else
-  while (!cuda::ptx::mbarrier_try_wait_parity(cuda::ptx::sem_acquire, cuda::ptx::scope_cluster, bar, parity)) {
-  }
-#endif
-}
-
-// One cluster-scope release arrival on `bar` of this CTA (rank == own) or of cluster CTA `rank`.
-__device__ __forceinline__ void arrive_release_cluster(std::uint64_t* bar, std::uint32_t rank) {
+// Writes v into the peer's slot `item` (this CTA's offset, in cluster CTA `rank`) and arrives on
+// the peer's barrier `bar` of that slot expecting the 4 bytes, which the store completes: the
+// shared-memory store with a transaction count, as a TMA load lands, so that the peer's readers
+// wait as for a stage (a cluster-scope acquire instead put an L1 invalidation after every wait).
+__device__ __forceinline__ void send_to_peer(std::int32_t* item, std::uint64_t* bar, std::uint32_t rank,
+                                             std::int32_t v) {
 #if MOERUNNER_WGMMA_COMPILED
   asm volatile(
-      "{\n.reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_address(bar)),
-      "r"(rank)
+      "{\n.reg .b32 remote_item, remote_bar;\n"
+      "mapa.shared::cluster.u32 remote_item, %0, %2;\n"
+      "mapa.shared::cluster.u32 remote_bar, %1, %2;\n"
+      "mbarrier.arrive.expect_tx.shared::cluster.b64 _, [remote_bar], 4;\n"
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [remote_item], %3, [remote_bar];\n}\n" ::"r"(
+          smem_address(item)),
+      "r"(smem_address(bar)), "r"(rank), "r"(v)
       : "memory");
 #else
-  (void)bar, (void)rank;
-#endif
-}
-
-// Stores v at `p`'s offset in the shared memory of cluster CTA `rank`.
-__device__ __forceinline__ void store_cluster(std::int32_t* p, std::uint32_t rank, std::int32_t v) {
-#if MOERUNNER_WGMMA_COMPILED
-  asm volatile(
-      "{\n.reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "st.shared::cluster.b32 [remote], %2;\n}\n" ::"r"(smem_address(p)),
-      "r"(rank), "r"(v)
-      : "memory");
-#else
-  (void)p, (void)rank, (void)v;
+  (void)item, (void)bar, (void)rank, (void)v;
 #endif
 }
 
@@ -125,12 +104,11 @@ struct item_loop {
   // Whether this thread asks for the items: thread 0 of rank 0.
   __device__ __forceinline__ bool taker() const { return HandOut && threadIdx.x == 0 && me.rank == 0; }
 
+  // Nothing reads the answer before publish(): the taker, which also issues the item's TMA
+  // loads, must not wait for the atomic's round trip as the item starts (bench/NOTES.md, round 19).
   __device__ __forceinline__ void ask() {
     if constexpr (HandOut) {
-      if (taker()) {
-        asked = atomicAdd(counter, 1);
-        if (asked == work - 1) *counter = 0;  // the last ask of this launch: see the top
-      }
+      if (taker()) asked = atomicAdd(counter, 1);
     }
   }
 
@@ -138,15 +116,15 @@ struct item_loop {
   __device__ __forceinline__ void publish() {
     if constexpr (HandOut) {
       if (!taker()) return;
+      if (asked == work - 1) *counter = 0;  // the launch's last ask: see the top
       const int slot = static_cast<int>(seq % work_item_ring::depth);
       const std::uint32_t round = seq / work_item_ring::depth;
       // Every reader of the slot's previous round has read it (a fresh barrier passes parity 1).
-      work_items_detail::wait_cluster(&ring->empty[slot], (round & 1) ^ 1);
+      mbarrier_wait(&ring->empty[slot], (round & 1) ^ 1);
       const std::int32_t item = asked + me.stride;
       ring->item[slot] = item;
-      if constexpr (Cluster == 2) work_items_detail::store_cluster(&ring->item[slot], 1, item);
-      work_items_detail::arrive_release_cluster(&ring->full[slot], 0);
-      if constexpr (Cluster == 2) work_items_detail::arrive_release_cluster(&ring->full[slot], 1);
+      cuda::ptx::mbarrier_arrive(&ring->full[slot]);  // release: the store comes first
+      if constexpr (Cluster == 2) work_items_detail::send_to_peer(&ring->item[slot], &ring->full[slot], 1, item);
     }
   }
 
@@ -159,7 +137,7 @@ struct item_loop {
       const int slot = static_cast<int>(seq % work_item_ring::depth);
       const std::int32_t item = read(slot);
       __syncwarp();
-      if (threadIdx.x % 32 == 0) work_items_detail::arrive_release_cluster(&ring->empty[slot], 0);
+      if (threadIdx.x % 32 == 0) read_done(slot);
       return item;
     }
   }
@@ -171,7 +149,7 @@ struct item_loop {
     } else {
       const int slot = static_cast<int>(seq % work_item_ring::depth);
       const std::int32_t item = read(slot);
-      work_items_detail::arrive_release_cluster(&ring->empty[slot], 0);
+      read_done(slot);
       return item;
     }
   }
@@ -180,8 +158,14 @@ struct item_loop {
   __device__ __forceinline__ std::int32_t read(int slot) {
     const std::uint32_t round = seq / work_item_ring::depth;
     ++seq;
-    work_items_detail::wait_cluster(&ring->full[slot], round & 1);
+    mbarrier_wait(&ring->full[slot], round & 1);
     return *static_cast<volatile std::int32_t*>(&ring->item[slot]);
+  }
+
+  // One arrival on the taker's `empty` barrier of the slot (rank 0's), as a stage is released.
+  __device__ __forceinline__ void read_done(int slot) {
+    if (Cluster == 1 || me.rank == 0) cuda::ptx::mbarrier_arrive(&ring->empty[slot]);
+    else mbarrier_arrive_cluster(&ring->empty[slot], 0);
   }
 };
 
