@@ -48,9 +48,8 @@ struct tile_schedule_pieces {
 };
 
 // Checks the arguments of a schedule for `rows` rows over num_experts experts (errors name
-// `where` and call the workspace `name`) and carves it from `workspace`: the tile count,
-// (and the item counters after it), then the tiles, each in its own 256-byte piece. Launches
-// nothing.
+// `where` and call the workspace `name`) and carves it from `workspace`: the tile count (and
+// the item counters after it), then the tiles, each in its own 256-byte piece. Launches nothing.
 inline tile_schedule_pieces carve_tile_schedule(int num_experts, std::int64_t rows, int block_m, void* workspace,
                                                 std::size_t bytes, const char* where, const char* name) {
   MOE_EXPECT(num_experts >= 1 && num_experts <= kernels::schedule_max_experts, where,

@@ -200,7 +200,8 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
                                                              false, tuning.block_m)
                                          : map;
   const bool hand_out = p.item_counter != nullptr;
-  const int places = hand_out ? prepare_wgmma_gemm<T, Policy, Kind, true>(dev) : prepare_wgmma_gemm<T, Policy, Kind, false>(dev);
+  const int places =
+      hand_out ? prepare_wgmma_gemm<T, Policy, Kind, true>(dev) : prepare_wgmma_gemm<T, Policy, Kind, false>(dev);
   constexpr int cols = kernels::moe_gemm_wgmma<T, Policy, Kind>::out_cols;
   const std::int64_t n_tiles = (p.n + cols - 1) / cols;
   const int k_splits = p.k_splits;
