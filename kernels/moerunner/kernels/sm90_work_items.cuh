@@ -130,44 +130,30 @@ struct item_loop {
     }
   }
 
-  // The item after w. HandOut: waits for its slot, and once the whole warp has read it, lane 0
-  // tells the taker's CTA so.
-  __device__ __forceinline__ index next_warp(index w) {
-    if constexpr (!HandOut) {
-      return w + me.stride;
-    } else {
-      const int slot = static_cast<int>(seq % work_item_ring::depth);
-      const std::int32_t item = read(slot);
-      __syncwarp();
-      if (threadIdx.x % 32 == 0) read_done(slot);
-      return item;
-    }
-  }
-
-  // The same for a role of one thread (counted as one reading warp).
-  __device__ __forceinline__ index next_thread(index w) {
-    if constexpr (!HandOut) {
-      return w + me.stride;
-    } else {
-      const int slot = static_cast<int>(seq % work_item_ring::depth);
-      const std::int32_t item = read(slot);
-      read_done(slot);
-      return item;
-    }
-  }
+  // The item after w. HandOut: waits for its slot, and once the reading warp has read it (or,
+  // for a role of one thread, counted as one warp: that thread), tells the taker's CTA so with
+  // one arrival on its `empty` barrier of the slot, as a stage is released.
+  __device__ __forceinline__ index next_warp(index w) { return next<true>(w); }
+  __device__ __forceinline__ index next_thread(index w) { return next<false>(w); }
 
  private:
-  __device__ __forceinline__ std::int32_t read(int slot) {
-    const std::uint32_t round = seq / work_item_ring::depth;
-    ++seq;
-    mbarrier_wait(&ring->full[slot], round & 1);
-    return *static_cast<volatile std::int32_t*>(&ring->item[slot]);
-  }
-
-  // One arrival on the taker's `empty` barrier of the slot (rank 0's), as a stage is released.
-  __device__ __forceinline__ void read_done(int slot) {
-    if (Cluster == 1 || me.rank == 0) cuda::ptx::mbarrier_arrive(&ring->empty[slot]);
-    else mbarrier_arrive_cluster(&ring->empty[slot], 0);
+  template <bool WholeWarp>
+  __device__ __forceinline__ index next(index w) {
+    if constexpr (!HandOut) {
+      return w + me.stride;
+    } else {
+      const int slot = static_cast<int>(seq % work_item_ring::depth);
+      const std::uint32_t round = seq / work_item_ring::depth;
+      ++seq;
+      mbarrier_wait(&ring->full[slot], round & 1);
+      const std::int32_t item = *static_cast<volatile std::int32_t*>(&ring->item[slot]);
+      if constexpr (WholeWarp) __syncwarp();
+      if (!WholeWarp || threadIdx.x % 32 == 0) {
+        if (Cluster == 1 || me.rank == 0) cuda::ptx::mbarrier_arrive(&ring->empty[slot]);
+        else mbarrier_arrive_cluster(&ring->empty[slot], 0);
+      }
+      return item;
+    }
   }
 };
 
