@@ -104,13 +104,14 @@ struct item_loop {
   // Whether this thread asks for the items: thread 0 of rank 0.
   __device__ __forceinline__ bool taker() const { return HandOut && threadIdx.x == 0 && me.rank == 0; }
 
-  // Nothing reads the answer before publish(): the taker, which also issues the item's TMA
-  // loads, must not wait for the atomic's round trip as the item starts. (In pairs the compiler
-  // makes this a warp-aggregated atomic whose shuffle of the answer does wait: bench/NOTES.md,
-  // round 19, has a fix, checked in the SASS, not yet run.)
+  // Nothing reads the answer before publish(): the taker's warp, which also issues the item's
+  // loads, must not wait for the atomic's round trip as the item starts. In pairs (where the
+  // compiler cannot tell that one lane asks) an add of 1 became a warp-aggregated atomic whose
+  // shuffle of the answer waited for it at once; the taker adds threadIdx.x + 1 (it is thread 0),
+  // which is not the same in every lane and so not aggregated.
   __device__ __forceinline__ void ask() {
     if constexpr (HandOut) {
-      if (taker()) asked = atomicAdd(counter, 1);
+      if (taker()) asked = atomicAdd(counter, static_cast<int>(threadIdx.x) + 1);
     }
   }
 
