@@ -29,7 +29,8 @@
 // stream GEMMs are not taken), cuda_fused_fp8_m128 (128-row CTAs there), cuda_fused_fp8_overlap
 // and cuda_fused_fp8_stagger (the overlapped and staggered K loops, gpu::fp8_k_loop), the same
 // in pairs of CTAs (cuda_fused_fp8_pairs_overlap, cuda_fused_fp8_pairs_stagger),
-// cuda_fused_fp8_band16 and cuda_fused_fp8_overlap_band16 (raster bands of 16 M tiles, not 8).
+// cuda_fused_fp8_band16 and cuda_fused_fp8_overlap_band16 (raster bands of 16 M tiles, not 8),
+// cuda_fused_fp8_quads (fours of CTAs on 256-row tiles wherever the stream GEMMs are not taken).
 // With the wgmma GEMMs' work items handed out at run time (set_hand_out): cuda_fused_handed_out,
 // cuda_fused_m128x2_handed_out, cuda_fused_fp8_handed_out, cuda_fused_fp8_single_handed_out and
 // cuda_fused_fp8_pairs_handed_out, each the row of the same name without the suffix otherwise.
@@ -138,6 +139,7 @@ struct backend_variant {
   std::optional<bool> fp8_stream = std::nullopt, fp8_pairs = std::nullopt, fp8_tall = std::nullopt;
   std::optional<mr::gpu::fp8_k_loop> fp8_k_loop = std::nullopt;
   std::optional<bool> hand_out = std::nullopt;  // wgmma work items handed out at run time (unset: the plan's)
+  std::optional<bool> fp8_quads = std::nullopt;  // cuda_fused_fp8: fours of wgmma CTAs (unset: the plan's)
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -198,6 +200,8 @@ constexpr backend_variant backend_variants[] = {
      .deterministic = false, .by_default = false, .fp8_pairs = false, .hand_out = true},
     {.label = "cuda_fused_fp8_pairs_handed_out", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .fp8_pairs = true, .hand_out = true},
+    {.label = "cuda_fused_fp8_quads", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .fp8_quads = true},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -696,6 +700,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
         } else if constexpr (requires { core.set_stream_gemms(variant->fp8_stream); }) {
           core.set_stream_gemms(variant->fp8_stream);
           core.set_pairs(variant->fp8_pairs);
+          core.set_quads(variant->fp8_quads);
           core.set_tall(variant->fp8_tall);
           core.set_k_loop(variant->fp8_k_loop);
           if (variant->raster_band > 0) core.set_raster_band(variant->raster_band);

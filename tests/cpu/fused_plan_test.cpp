@@ -371,7 +371,7 @@ TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pai
   CHECK_FALSE(x64.combine_kernel);
 }
 
-TEST_CASE("fp8 plan: the stream GEMMs, pairs and 128-row CTAs forced on or off (for measuring one against the other)") {
+TEST_CASE("fp8 plan: the stream GEMMs, pairs, fours and 128-row CTAs forced on or off (for measuring one against the other)") {
   const auto forced = [](const moe_config_params& c, std::int64_t m, g::fp8_settings s) {
     const g::fp8_plan p = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, s);
     check_fp8_layout(p, c);
@@ -410,6 +410,18 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs and 128-row CTAs forced on or off (
   CHECK(paired.cluster_m == 2);
   CHECK(paired.schedule_block_m == 128);
   CHECK(forced(qwen3(), 1, {.stream = std::nullopt, .pairs = true}).stream);  // the stream GEMMs first, unless forced off
+  // Fours of CTAs only when asked, before pairs, on 256-row tiles with the plain K loop in fixed turns.
+  const g::fp8_plan fours = forced(mixtral(), 4096, {.pairs = true, .quads = true});
+  CHECK(fours.tile == g::fp8_tile::m64x4);
+  CHECK(fours.cluster_m == 4);
+  CHECK(fours.schedule_block_m == 256);
+  CHECK(fours.describe().find("wgmma e4m3 m64x4") != std::string::npos);
+  const g::fp8_plan fours_asked_more =
+      forced(mixtral(), 4096, {.quads = true, .k_loop = g::fp8_k_loop::overlap, .hand_out = true});
+  CHECK(fours_asked_more.k_loop == g::fp8_k_loop::plain);
+  CHECK_FALSE(fours_asked_more.hand_out);
+  CHECK(forced(qwen3(), 1, {.stream = std::nullopt, .quads = true}).stream);  // the stream GEMMs first
+  CHECK(fp8_plan_of(mixtral(), 16384).tile == g::fp8_tile::m64x2);        // not by the rules
   // Batch-invariant runs keep single wgmma CTAs whatever is asked.
   moe_config_params inv = deepseek();
   inv.batch_invariant = true;
@@ -417,6 +429,7 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs and 128-row CTAs forced on or off (
   CHECK_FALSE(kept.stream);
   CHECK(kept.cluster_m == 1);
   CHECK(forced(inv, 4096, {.tall = true}).tile == g::fp8_tile::m64);
+  CHECK(forced(inv, 4096, {.quads = true}).tile == g::fp8_tile::m64);
 }
 
 TEST_CASE("fp8 plan: the K loop and the raster band only where asked") {

@@ -122,7 +122,7 @@ struct fp8_problem {
 using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_fp8_policy>;
 
 // Device copies of an fp8 problem and a runner with exactly the workspace it asks for; `forced`
-// forces the stream GEMMs, the pairs of CTAs or the 128-row CTAs on or off, the K loop, the
+// forces the stream GEMMs, the pairs or fours of CTAs or the 128-row CTAs on or off, the K loop, the
 // raster band or the work items handed out (unset: the plan's rules).
 struct fp8_on_device {
   mr::test::device_tensor x, xq, xs, w13, w2, s13, s2, weights, ids;
@@ -139,6 +139,7 @@ struct fp8_on_device {
       if constexpr (requires { core.set_stream_gemms(forced.stream); }) {
         core.set_stream_gemms(forced.stream);
         core.set_pairs(forced.pairs);
+        core.set_quads(forced.quads);
         core.set_tall(forced.tall);
         core.set_k_loop(forced.k_loop);
         core.set_raster_band(forced.raster_band);
@@ -212,7 +213,10 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
   fp8_on_device g(p, forced);
   if (forced.stream && s.m > 0)
     CHECK(g.runner.describe(s.m).find(*forced.stream ? "stream e4m3" : "wgmma e4m3") != std::string::npos);
-  if (forced.pairs && *forced.pairs && s.m > 0) CHECK(g.runner.describe(s.m).find("wgmma e4m3 m64x2") != std::string::npos);
+  if (forced.quads.value_or(false) && s.m > 0)
+    CHECK(g.runner.describe(s.m).find("wgmma e4m3 m64x4") != std::string::npos);
+  else if (forced.pairs.value_or(false) && s.m > 0)
+    CHECK(g.runner.describe(s.m).find("wgmma e4m3 m64x2") != std::string::npos);
   if (forced.tall.value_or(false) && !forced.pairs.value_or(false) && s.m > 0)
     CHECK(g.runner.describe(s.m).find("wgmma e4m3 m128") != std::string::npos);
   const host_tensor got = g.run_once(p);
@@ -223,7 +227,7 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
   return err;
 }
 
-// The cases each 128-row tile (pairs of CTAs, 128-row CTAs) runs, at 75-150 rows per expert
+// The cases each wide tile (pairs or fours of CTAs, 128-row CTAs) runs, at 75-150 rows per expert
 // unless named: run(shape, dtype, options[, prequantized]).
 template <class Run>
 void wide_tile_cases(const Run& run) {
@@ -295,6 +299,33 @@ TEST_CASE("fp8 against the reference's fp8 path") {
                                  by_rule.m, mr::gpu::device_target_of(mr::gpu::current_device_facts()))
               .cluster_m == 2);
     worst = std::max(worst, check_case(by_rule, bf16, {}, rng));
+  }
+  SUBCASE("fours of CTAs on 256-row tiles") {
+    // Forced on (the plan takes them only when asked): at 75-150 rows per expert the last two or
+    // three CTAs of a four have no rows; at 750 the third tile is partly filled.
+    const mr::gpu::fp8_settings quads{.stream = std::nullopt, .quads = true};
+    const auto quad_case = [&](const shape& c, mr::dtype t, const options& o, bool preq = false,
+                               mr::fp8_weight_scaling sc = mr::fp8_weight_scaling::block128) {
+      worst = std::max(worst, check_case(c, t, o, rng, preq, sc, quads));
+    };
+    wide_tile_cases(quad_case);
+    const shape many{3000, 8, 2, 256, 512};  // 750 rows per expert
+    quad_case({50, 8, 2, 256, 256}, bf16, {});  // 12 rows per expert: three CTAs of each four without rows
+    quad_case(many, bf16, {});
+    quad_case(many, bf16, {.ids = ids_kind::skewed});
+    quad_case({600, 8, 2, 256, 256}, bf16, {.ids = ids_kind::one_expert});  // one expert's many tiles
+    quad_case({3000, 8, 2, 384, 384}, bf16, {.act = mr::activation_kind::gelu, .gated = false});
+    quad_case(many, bf16, {}, false, mr::fp8_weight_scaling::per_tensor);
+    quad_case(many, bf16, {}, false, mr::fp8_weight_scaling::per_channel);
+    quad_case({64, 8, 2, 640, 1152}, bf16, {});  // GEMM2's K split where items are few
+    // The same bits as single CTAs where deterministic (and GEMM2's K not split in either): a
+    // CTA's sums do not depend on the tile's other CTAs.
+    fp8_problem p(many, bf16, {.deterministic = true}, rng);
+    fp8_on_device single(p, {.stream = false, .pairs = false}), four(p, quads);
+    for (const fp8_on_device* d : {&single, &four})
+      CHECK(d->runner.describe(many.m).find("GEMM2 rows + combine kernel") != std::string::npos);
+    const host_tensor want = single.run_once(p), got = four.run_once(p);
+    CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);
   }
   SUBCASE("128-row CTAs") {
     // Forced on (the plan takes them only when asked) at 12-150 rows per expert, where experts'

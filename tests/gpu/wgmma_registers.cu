@@ -1,9 +1,10 @@
 // Device code only (compiled to a cubin by the kernels suite's ptxas_spills test): every sm_90a
 // wgmma GEMM the fused backends launch, for one 16-bit output type, with its work items in fixed
-// turns and (16-bit, and fp8 64-row CTAs with the plain K loop) handed out at run time. Their accumulators and the
-// fp8 promotion's block live in registers under setmaxnreg budgets; a spill in the K loop or
-// the epilogue costs what the tile was chosen to save, so none may spill; nor may ptxas serialize
-// their wgmma (the overlapped and staggered fp8 K loops keep a group in flight across other code).
+// turns and (16-bit, and fp8 64-row CTAs alone or in pairs with the plain K loop) handed out at run
+// time. Their accumulators and the fp8 promotion's block live in registers under setmaxnreg
+// budgets; a spill in the K loop or the epilogue costs what the tile was chosen to save, so none
+// may spill; nor may ptxas serialize their wgmma (the overlapped and staggered fp8 K loops keep a
+// group in flight across other code).
 #include <cuda_bf16.h>
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
@@ -47,6 +48,9 @@ MOERUNNER_WGMMA_FP8_HANDED_OUT(down, 1, g::fp8_block_m)
 MOERUNNER_WGMMA_FP8_HANDED_OUT(gate_up, 2, g::fp8_block_m)
 MOERUNNER_WGMMA_FP8_HANDED_OUT(up_only, 2, g::fp8_block_m)
 MOERUNNER_WGMMA_FP8_HANDED_OUT(down, 2, g::fp8_block_m)
+MOERUNNER_WGMMA_FP8(gate_up, 4, g::fp8_block_m, plain)
+MOERUNNER_WGMMA_FP8(up_only, 4, g::fp8_block_m, plain)
+MOERUNNER_WGMMA_FP8(down, 4, g::fp8_block_m, plain)
 MOERUNNER_WGMMA_FP8(gate_up, 1, g::fp8_large_block_m, plain)
 MOERUNNER_WGMMA_FP8(up_only, 1, g::fp8_large_block_m, plain)
 MOERUNNER_WGMMA_FP8(down, 1, g::fp8_large_block_m, plain)

@@ -20,13 +20,13 @@ namespace moerunner::gpu {
 
 // The fp8 GEMMs' tiles (kernels::wgmma_fp8_shape reads these): 64 rows, 256 B rows (GEMM2: 256
 // output columns), K tiles of one scale block; alone, in pairs of CTAs on a 128-row schedule
-// tile that share each weight tile by TMA multicast, or 128 rows in one CTA (each consumer
-// warpgroup on 64 of them and all 256 B rows).
+// tile that share each weight tile by TMA multicast (or fours on a 256-row tile), or 128 rows in
+// one CTA (each consumer warpgroup on 64 of them and all 256 B rows).
 inline constexpr int fp8_group_size = fp8_block_quant_info::group;
 inline constexpr int fp8_block_m = 64, fp8_down_cols = 256, fp8_block_k = fp8_group_size;
-enum class fp8_tile : std::uint8_t { m64, m64x2, m128 };
+enum class fp8_tile : std::uint8_t { m64, m64x2, m64x4, m128 };
 inline constexpr const char* fp8_tile_name(fp8_tile t) {
-  return t == fp8_tile::m64 ? "m64" : t == fp8_tile::m64x2 ? "m64x2" : "m128";
+  return t == fp8_tile::m64 ? "m64" : t == fp8_tile::m64x2 ? "m64x2" : t == fp8_tile::m64x4 ? "m64x4" : "m128";
 }
 // Pairs where the active experts average at least 96 rows. A pair draws 0.6x the L2 bytes per
 // multiply-add of a 64-row CTA (each weight tile multicast into both: 48 KB per 4.2 M MAC
@@ -43,6 +43,11 @@ inline constexpr const char* fp8_tile_name(fp8_tile t) {
 // pairs then only save L2 bytes.
 inline constexpr int fp8_large_block_m = 128;
 inline constexpr std::int64_t fp8_pair_min_rows = 96;
+// Fours of 64-row CTAs on a 256-row schedule tile, each weight tile multicast into all four, only
+// where asked (fp8_settings::quads): 0.4x the L2 bytes per multiply-add of a 64-row CTA (0.67x a
+// pair's), for pad to a multiple of 256 rows and four CTAs that wait on each other's stages.
+// 64-row CTAs with the plain K loop, work items in fixed turns.
+inline constexpr int fp8_quad_block_m = 256;
 // 128-row CTAs (each warpgroup on 64 rows and all 256 weight rows) only where asked
 // (fp8_settings::tall): they draw 0.6x the shared-memory fill per multiply-add of 64-row CTAs,
 // but measured slower on 5 of the 6 prefill cells where experts average more than 64 rows
@@ -75,17 +80,18 @@ struct fp8_workspace {
 };
 
 // Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
-// set_stream_gemms, set_pairs, set_tall, set_k_loop and set_raster_band); unset, the plan's
+// set_stream_gemms, set_pairs, set_quads, set_tall, set_k_loop and set_raster_band); unset, the plan's
 // rules decide. Batch-invariant runs keep single 64-row wgmma CTAs with the plain K loop
 // whatever is asked (one kernel family at every M is what the mode promises). Each member is
 // initialized, so a designated initializer names only what it forces.
 struct fp8_settings {
   std::optional<bool> stream = std::nullopt;   // the stream GEMMs (any M > 0), or never
   std::optional<bool> pairs = std::nullopt;    // wgmma CTAs in pairs on 128-row tiles, or never
+  std::optional<bool> quads = std::nullopt;    // wgmma CTAs in fours on 256-row tiles (before pairs; unset: never)
   std::optional<bool> tall = std::nullopt;     // 128-row wgmma CTAs where pairs are not taken (unset: never)
-  std::optional<fp8_k_loop> k_loop = std::nullopt;  // the wgmma K loop (unset: plain; 128-row CTAs: plain)
+  std::optional<fp8_k_loop> k_loop = std::nullopt;  // the wgmma K loop (unset: plain; 128-row CTAs, fours: plain)
   std::optional<int> raster_band = std::nullopt;  // M tiles per raster band of the wgmma GEMMs (>= 1; any mode)
-  std::optional<bool> hand_out = std::nullopt;    // wgmma work items handed out at run time (unset: off; 64-row CTAs, plain K loop)
+  std::optional<bool> hand_out = std::nullopt;    // wgmma work items handed out at run time (unset: off; 64-row CTAs alone or in pairs, plain K loop)
 };
 
 struct fp8_plan {
@@ -97,7 +103,7 @@ struct fp8_plan {
   bool stream = false;
   bool schedule_in_gemms = false;      // stream: every CTA orders the rows itself (no plan kernel)
   fp8_tile tile = fp8_tile::m64;       // wgmma: the CTA tile
-  int schedule_block_m = fp8_block_m;  // stream: 8; wgmma: 64, or 128 for a pair of CTAs or a 128-row CTA
+  int schedule_block_m = fp8_block_m;  // stream: 8; wgmma: 64, 128 for a pair of CTAs or a 128-row CTA, 256 for four
   int cluster_m = 1;                   // wgmma CTAs on one schedule tile
   fp8_k_loop k_loop = fp8_k_loop::plain;  // wgmma: how the warpgroups' wgmma and promotions interleave
   int raster_band = fp8_raster_band;   // wgmma: M tiles that walk the N tiles together
@@ -152,6 +158,10 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   p.schedule_in_gemms = p.stream && slots <= local_plan_max_slots;
   if (p.stream) {
     p.schedule_block_m = stream_gemm_fp8_policy::tuning.schedule_block_m();
+  } else if (!cfg.batch_invariant() && active > 0 && settings.quads.value_or(false)) {
+    p.tile = fp8_tile::m64x4;
+    p.schedule_block_m = fp8_quad_block_m;
+    p.cluster_m = fp8_quad_block_m / fp8_block_m;
   } else if (!cfg.batch_invariant() && active > 0 &&
              settings.pairs.value_or(slots >= fp8_pair_min_rows * active)) {
     p.tile = fp8_tile::m64x2;
@@ -163,7 +173,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   }
   if (!p.stream && !cfg.batch_invariant()) {
     p.k_loop = settings.k_loop.value_or(fp8_k_loop::plain);
-    if (p.tile == fp8_tile::m128) p.k_loop = fp8_k_loop::plain;
+    if (p.tile == fp8_tile::m128 || p.tile == fp8_tile::m64x4) p.k_loop = fp8_k_loop::plain;
   }
   // The band orders the work items only (each item's sums are the same in any order).
   if (settings.raster_band) {
@@ -182,7 +192,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   p.down = store == down_store::rows && p.down_k_splits > 1 ? down_store::partials : store;
   p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;
   p.clear_in_gemm1 = !p.combine_kernel;
-  p.hand_out = !p.stream && p.tile != fp8_tile::m128 && p.k_loop == fp8_k_loop::plain && num_tokens > 0 &&
+  p.hand_out = !p.stream && p.tile != fp8_tile::m128 && p.tile != fp8_tile::m64x4 && p.k_loop == fp8_k_loop::plain && num_tokens > 0 &&
                settings.hand_out.value_or(false) &&
                hand_out_fits(cfg, slots, p.schedule_block_m, p.down_k_splits, dev.sm_count) &&
                hand_out_offsets_fit(moe_m_tile_capacity(slots, e, p.schedule_block_m) * p.schedule_block_m,

@@ -42,9 +42,9 @@ void quantize_rows_fp8(const T* x, std::int64_t rows, int h, std::uint8_t* q, fl
   MOE_CUDA_CHECK_LAUNCH("quantize_rows_fp8_kernel");
 }
 
-// Sets the kernel's dynamic shared memory limit once per device, checks that a CTA (a pair of
-// them) fits, and returns how many run at once: sm_count CTAs, or the pairs resident at once
-// (a pair needs two SMs of one GPC, which may leave some SMs out).
+// Sets the kernel's dynamic shared memory limit once per device, checks that a CTA (a cluster of
+// them) fits, and returns how many run at once: sm_count CTAs, or the clusters resident at once
+// (a cluster needs SMs of one GPC, which may leave some SMs out).
 template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM, fp8_k_loop Loop, bool HandOut>
 int prepare_wgmma_fp8_gemm(const device_facts& dev) {
   constexpr int cached_devices = 64;
@@ -72,13 +72,14 @@ int prepare_wgmma_fp8_gemm(const device_facts& dev) {
   return n;
 }
 
-// Launches one fp8 grouped GEMM over `schedule` (built for BlockM-row tiles, or with Cluster 2
-// for 128-row ones that a pair of 64-row CTAs shares, each weight tile multicast to both), with
-// the K loop Loop (fp8_k_loop; other than plain on 64-row CTAs only); b is
+// Launches one fp8 grouped GEMM over `schedule` (built for BlockM-row tiles, or with Cluster 2 or
+// 4 for tiles of 128 or 256 rows that the cluster's 64-row CTAs share, each weight tile multicast
+// into all), with the K loop Loop (fp8_k_loop; other than plain on 64-row CTAs alone or in pairs
+// only); b is
 // the e4m3 weights [num_experts, p.g.b_rows_per_expert, p.g.k]. Fills p.g.tiles, tile_count and
 // n_tiles. With p.g.item_counter (zero: schedule.item_counters) the work items are handed out at
-// run time (64-row CTAs with the plain K loop only: the 128-row CTAs' producer, at 40 registers,
-// spilled with the hand-out's state).
+// run time (64-row CTAs alone or in pairs with the plain K loop only: the 128-row CTAs' producer,
+// at 40 registers, spilled with the hand-out's state).
 template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM = fp8_block_m,
           fp8_k_loop Loop = fp8_k_loop::plain>
 void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uint8_t* b, int num_experts,
@@ -100,9 +101,9 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
   const CUtensorMap map =
       weight_tensor_map(b, g.b_rows_per_expert, g.n, g.k, num_experts, g.interleaved, tile_t::box_rows);
   const bool hand_out = g.item_counter != nullptr;
-  constexpr bool may_hand_out = Loop == fp8_k_loop::plain && BlockM == fp8_block_m;
+  constexpr bool may_hand_out = Loop == fp8_k_loop::plain && BlockM == fp8_block_m && Cluster <= 2;
   MOE_EXPECT(!hand_out || may_hand_out, where,
-             "work items are handed out to 64-row CTAs with the plain K loop only");
+             "work items are handed out to 64-row CTAs alone or in pairs with the plain K loop only");
   int places = 0;
   if constexpr (may_hand_out)
     places = hand_out ? prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop, true>(dev)

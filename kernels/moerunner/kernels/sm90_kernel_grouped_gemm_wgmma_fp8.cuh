@@ -21,6 +21,9 @@
 // stage in both CTAs, so neither producer refills it before both have read it: a CTA draws 24 KB
 // per stage instead of 40. Both run every K tile of every item (a CTA without rows keeps the
 // protocol with idle consumers); cluster barriers after the barriers' set-up and before exit.
+// Fours (Cluster 4, plain K loop, fixed turns; only where asked) do the same on a 256-row
+// schedule tile: the boxes are spread over the ranks (GEMM2's two over ranks 0 and 1), each
+// multicast into all four rings, and each consumer warp releases the stage in all four CTAs.
 //
 // Precision: the tensor cores add fp8 products with fewer mantissa bits than f32 (about 14),
 // so a K tile's four wgmma run into a fresh f32 block (scale-d 0 on the first) that the
@@ -100,7 +103,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   using shape = wgmma_fp8_shape<BlockM>;
   using shape::a_bytes, shape::b_bytes, shape::block_k, shape::block_m, shape::block_n, shape::consumers,
       shape::scale_bytes, shape::stage_bytes, shape::stages;
-  static_assert(Cluster == 1 || Cluster == 2, "CTAs run alone or in pairs along M");
+  static_assert(Cluster == 1 || Cluster == 2 || Cluster == 4, "CTAs run alone, in pairs or in fours along M");
+  static_assert(Cluster <= 2 || (Loop == gpu::fp8_k_loop::plain && !HandOut),
+                "fours of CTAs run the plain K loop in fixed turns");
   static constexpr bool tall = BlockM == gpu::fp8_large_block_m;  // warpgroups on rows of their own
   static_assert(!tall || Cluster == 1, "128-row CTAs run alone");
   static constexpr bool overlap = Loop == gpu::fp8_k_loop::overlap, stagger = Loop == gpu::fp8_k_loop::stagger;
@@ -233,10 +238,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         if (tid == 0) {
           cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
                                                &bars.full[stage], static_cast<std::uint32_t>(b_bytes));
-          // In a pair, rank r loads half the boxes into both CTAs (same offsets, both full barriers).
+          // In a cluster, rank r loads its share of the boxes into every CTA (same offsets, every
+          // full barrier): a pair half of them each; fours one each, or GEMM2's two by ranks 0, 1.
 #pragma unroll
           for (int b = 0; b < boxes; ++b) {
-            if (Cluster > 1 && b / (boxes / Cluster) != me.rank) continue;
+            if (Cluster > 1 && (boxes >= Cluster ? b / (boxes / Cluster) : b) != me.rank) continue;
             int col = 0, half = 0;
             box_origin(b, n0, col, half);
             const bool swapped = halves == 2 && g.interleaved;
@@ -304,7 +310,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = cluster_cta_rows<Cluster, bm>(g.tiles[item.m_tile], me.rank);
       const int rows = tile.row_end - tile.row_begin;
-      // A warpgroup without rows of the tile (a CTA of a pair, or the second of a 128-row tile)
+      // A warpgroup without rows of the tile (a CTA of a cluster, or the second of a 128-row tile)
       // keeps the protocol with idle tensor work: the producers need its releases.
       const bool active = row_base < rows;
       int kt_begin = 0, kt_end = 0;
@@ -350,12 +356,13 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
             wgmma_fence_operands(part);
             if (blk == blocks - 1) {
               __syncwarp();
-              // The stage is free again for this CTA's producer and, in a pair, for the peer's,
-              // which multicasts into it.
+              // The stage is free again for this CTA's producer and, in a cluster, for the other
+              // CTAs', which multicast into it.
               if (lane == 0) {
                 cuda::ptx::mbarrier_arrive(&bars.empty[stage]);
-                if constexpr (Cluster == 2)
-                  mbarrier_arrive_cluster(&bars.empty[stage], static_cast<std::uint32_t>(me.rank ^ 1));
+#pragma unroll
+                for (int r = 1; r < Cluster; ++r)
+                  mbarrier_arrive_cluster(&bars.empty[stage], static_cast<std::uint32_t>(me.rank ^ r));
               }
             }
             if (!active) continue;
@@ -649,7 +656,7 @@ __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&b_map) : "memory");
   }
-  // The peer arrives on these barriers and multicasts into this ring: both must be set up.
+  // The other CTAs of a cluster arrive on these barriers and multicast into this ring: all must be set up.
   if constexpr (Cluster > 1) cluster_sync();
   else __syncthreads();
   wait_for_prior_grids();
@@ -661,7 +668,7 @@ __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
     setmaxnreg_inc<tile_t::consumer_regs>();
     tile_t::consumer(p, ring, bars, amax_exchange, &item_ring);
   }
-  // The peer's last releases and multicasts land in this CTA's shared memory: stay until both are done.
+  // The other CTAs' last releases and multicasts land in this CTA's shared memory: stay until all are done.
   if constexpr (Cluster > 1) cluster_sync();
 #else
   (void)p, (void)b_map;

@@ -85,11 +85,12 @@ class cuda_fused_fp8_policy {
   gpu::fp8_plan plan(std::int64_t num_tokens, const gpu::device_target& dev) const {
     return gpu::make_fp8_plan(cfg_, num_tokens, dev, settings_);
   }
-  // Force the stream GEMMs, pairs of wgmma CTAs or 128-row wgmma CTAs on or off, the wgmma
+  // Force the stream GEMMs, pairs or fours of wgmma CTAs or 128-row wgmma CTAs on or off, the wgmma
   // GEMMs' K loop or raster band, or their work items handed out at run time (unset: the plan's
   // rules), for measuring one against the other (gpu::fp8_settings).
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
+  void set_quads(std::optional<bool> on) noexcept { settings_.quads = on; }
   void set_tall(std::optional<bool> on) noexcept { settings_.tall = on; }
   void set_k_loop(std::optional<gpu::fp8_k_loop> loop) noexcept { settings_.k_loop = loop; }
   void set_hand_out(std::optional<bool> on) noexcept { settings_.hand_out = on; }
@@ -284,7 +285,8 @@ class cuda_fused_fp8_policy {
         gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, Loop>(g2, w2, experts, schedule,
                                                                                         dev, stream);
       };
-      // 64-row CTAs alone or in pairs, with the plan's K loop; 128-row CTAs with the plain one.
+      // 64-row CTAs alone or in pairs, with the plan's K loop; in fours and 128-row CTAs with the
+      // plain one.
       const auto m64 = [&]<int Cluster>() {
         using gpu::fp8_k_loop;
         constexpr int bm = gpu::fp8_block_m;
@@ -296,6 +298,7 @@ class cuda_fused_fp8_policy {
       };
       switch (pl.tile) {
         case gpu::fp8_tile::m64x2: m64.template operator()<2>(); break;
+        case gpu::fp8_tile::m64x4: gemms.template operator()<4, gpu::fp8_block_m, gpu::fp8_k_loop::plain>(); break;
         case gpu::fp8_tile::m128:
           gemms.template operator()<1, gpu::fp8_large_block_m, gpu::fp8_k_loop::plain>();
           break;
