@@ -45,8 +45,10 @@ inline constexpr int fp8_large_block_m = 128;
 inline constexpr std::int64_t fp8_pair_min_rows = 96;
 // Fours of 64-row CTAs on a 256-row schedule tile, each weight tile multicast into all four, only
 // where asked (fp8_settings::quads): 0.4x the L2 bytes per multiply-add of a 64-row CTA (0.67x a
-// pair's), for pad to a multiple of 256 rows and four CTAs that wait on each other's stages.
-// 64-row CTAs with the plain K loop, work items in fixed turns.
+// pair's), for pad to a multiple of 256 rows, four CTAs that wait on each other's stages, and
+// fewer SMs in use (a four takes four SMs of one GPC). They measured slower than pairs on all 9
+// prefill cells of an H100 run, 10% even at 4096 rows per expert where the pad is under 1%: the
+// pairs are not held by L2 bytes (bench/NOTES.md, round 20). Plain K loop, fixed turns.
 inline constexpr int fp8_quad_block_m = 256;
 // 128-row CTAs (each warpgroup on 64 rows and all 256 weight rows) only where asked
 // (fp8_settings::tall): they draw 0.6x the shared-memory fill per multiply-add of 64-row CTAs,

@@ -42,7 +42,10 @@
 // The producer copies per stage: the B boxes by TMA (thread 0), the gathered A rows by 16-byte
 // cp.async (every thread, as the 16-bit kernel), each row's A scale of the K tile and the
 // warpgroups' B block scales by 4-byte cp.async, all signalled through the stage's full barrier
-// (cp.async.mbarrier.arrive); the consumers read the scales from shared memory.
+// (cp.async.mbarrier.arrive); the consumers read the scales from shared memory. (compute-sanitizer
+// racecheck reports hazards between those scale reads and the producer's next cp.async into the
+// stage, in every variant; the stage's full and empty barriers order both ways, and the reads'
+// values are used before the warp's one-lane release: bench/NOTES.md, round 20.)
 //
 // GEMM1's epilogue: act = activation(gate, up) in f32 (times the router weight where applied on
 // the input), each row's amax over the CTA's 128 columns (a quad shuffle, then across the two
