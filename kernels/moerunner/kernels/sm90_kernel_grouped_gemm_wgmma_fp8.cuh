@@ -45,7 +45,9 @@
 // (cp.async.mbarrier.arrive); the consumers read the scales from shared memory. (compute-sanitizer
 // racecheck reports hazards between those scale reads and the producer's next cp.async into the
 // stage, in every variant; the stage's full and empty barriers order both ways, and the reads'
-// values are used before the warp's one-lane release: bench/NOTES.md, round 20.)
+// values are used before the warp's one-lane release: bench/NOTES.md, round 20. A diagnostic
+// build with MOERUNNER_RELEASE_ALL_LANES, meson setup -Dcuda_args=-DMOERUNNER_RELEASE_ALL_LANES,
+// has every consumer lane release the stage, to tell which of the two racecheck does not follow.)
 //
 // GEMM1's epilogue: act = activation(gate, up) in f32 (times the router weight where applied on
 // the input), each row's amax over the CTA's 128 columns (a quad shuffle, then across the two
@@ -124,6 +126,12 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   static constexpr int b_scales = boxes;  // per stage: one per B box (each warpgroup's gate, and up, rows)
   static constexpr int a_scale_offset = a_bytes + b_bytes, b_scale_offset = a_scale_offset + block_m * 4;
   static constexpr int producer_threads = 128, consumer_warps = 4 * consumers;
+  // Lanes of a consumer warp that release a stage (see MOERUNNER_RELEASE_ALL_LANES above).
+#if defined(MOERUNNER_RELEASE_ALL_LANES)
+  static constexpr int release_lanes = 32;
+#else
+  static constexpr int release_lanes = 1;
+#endif
   static constexpr int chunks_per_row = bk / 16;                           // 16-byte chunks: 8
   static constexpr int rows_per_pass = producer_threads / chunks_per_row;  // 16
   static constexpr int a_passes = bm / rows_per_pass;                      // 4 or 8
@@ -361,7 +369,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
               __syncwarp();
               // The stage is free again for this CTA's producer and, in a cluster, for the other
               // CTAs', which multicast into it.
-              if (lane == 0) {
+              if (lane < release_lanes) {
                 cuda::ptx::mbarrier_arrive(&bars.empty[stage]);
 #pragma unroll
                 for (int r = 1; r < Cluster; ++r)
@@ -478,7 +486,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     const auto retire = [&](std::uint32_t i, float(&sums)[64]) {
       wgmma_wait<0>();
       wgmma_fence_operands(sums);
-      mbarrier_arrive_where<Cluster == 2>(lane == 0, &bars.empty[i % stages], peer);
+      mbarrier_arrive_where<Cluster == 2>(lane < release_lanes, &bars.empty[i % stages], peer);
     };
     issue(it, sums_a, f_a);
     int j = 1;
@@ -653,7 +661,7 @@ __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
     for (int s = 0; s < tile_t::stages; ++s) {
       cuda::ptx::mbarrier_init(&bars.full[s], tile_t::producer_threads + 1);
       // Every consumer warp of the cluster releases every CTA's stage (see the consumer).
-      cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps * Cluster);
+      cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps * tile_t::release_lanes * Cluster);
     }
     if constexpr (HandOut) init_work_item_ring<Cluster>(item_ring, tile_t::item_readers);
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
