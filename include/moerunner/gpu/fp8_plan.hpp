@@ -93,7 +93,8 @@ struct fp8_settings {
   std::optional<bool> tall = std::nullopt;     // 128-row wgmma CTAs where pairs are not taken (unset: never)
   std::optional<fp8_k_loop> k_loop = std::nullopt;  // the wgmma K loop (unset: plain; 128-row CTAs, fours: plain)
   std::optional<int> raster_band = std::nullopt;  // M tiles per raster band of the wgmma GEMMs (>= 1; any mode)
-  std::optional<bool> hand_out = std::nullopt;    // wgmma work items handed out at run time (unset: off; 64-row CTAs alone or in pairs, plain K loop)
+  // wgmma work items handed out at run time (unset: off; 64-row CTAs alone or in pairs, plain K loop)
+  std::optional<bool> hand_out = std::nullopt;
 };
 
 struct fp8_plan {
@@ -194,8 +195,8 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   p.down = store == down_store::rows && p.down_k_splits > 1 ? down_store::partials : store;
   p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;
   p.clear_in_gemm1 = !p.combine_kernel;
-  p.hand_out = !p.stream && p.tile != fp8_tile::m128 && p.tile != fp8_tile::m64x4 && p.k_loop == fp8_k_loop::plain && num_tokens > 0 &&
-               settings.hand_out.value_or(false) &&
+  p.hand_out = !p.stream && (p.tile == fp8_tile::m64 || p.tile == fp8_tile::m64x2) &&
+               p.k_loop == fp8_k_loop::plain && num_tokens > 0 && settings.hand_out.value_or(false) &&
                hand_out_fits(cfg, slots, p.schedule_block_m, p.down_k_splits, dev.sm_count) &&
                hand_out_offsets_fit(moe_m_tile_capacity(slots, e, p.schedule_block_m) * p.schedule_block_m,
                                     std::max(cfg.hidden_size(), cfg.intermediate_size()));
