@@ -30,7 +30,8 @@
 // and cuda_fused_fp8_stagger (the overlapped and staggered K loops, gpu::fp8_k_loop), the same
 // in pairs of CTAs (cuda_fused_fp8_pairs_overlap, cuda_fused_fp8_pairs_stagger),
 // cuda_fused_fp8_band16 and cuda_fused_fp8_overlap_band16 (raster bands of 16 M tiles, not 8),
-// cuda_fused_fp8_quads (fours of CTAs on 256-row tiles wherever the stream GEMMs are not taken).
+// cuda_fused_fp8_quads (fours of CTAs on 256-row tiles wherever the stream GEMMs are not taken),
+// cuda_fused_fp8_down_split3 (the wgmma GEMM2's K in 3 splits wherever the plan may split it).
 // With the wgmma GEMMs' work items handed out at run time (set_hand_out): cuda_fused_handed_out,
 // cuda_fused_m128x2_handed_out, cuda_fused_fp8_handed_out, cuda_fused_fp8_single_handed_out and
 // cuda_fused_fp8_pairs_handed_out, each the row of the same name without the suffix otherwise.
@@ -140,6 +141,7 @@ struct backend_variant {
   std::optional<mr::gpu::fp8_k_loop> fp8_k_loop = std::nullopt;
   std::optional<bool> hand_out = std::nullopt;  // wgmma work items handed out at run time (unset: the plan's)
   std::optional<bool> fp8_quads = std::nullopt;  // cuda_fused_fp8: fours of wgmma CTAs (unset: the plan's)
+  std::optional<int> fp8_down_k_splits = std::nullopt;  // cuda_fused_fp8: GEMM2's K splits (unset: the plan's)
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -202,6 +204,8 @@ constexpr backend_variant backend_variants[] = {
      .deterministic = false, .by_default = false, .fp8_pairs = true, .hand_out = true},
     {.label = "cuda_fused_fp8_quads", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .fp8_quads = true},
+    {.label = "cuda_fused_fp8_down_split3", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .fp8_down_k_splits = 3},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -701,6 +705,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_stream_gemms(variant->fp8_stream);
           core.set_pairs(variant->fp8_pairs);
           core.set_quads(variant->fp8_quads);
+          core.set_down_k_splits(variant->fp8_down_k_splits);
           core.set_tall(variant->fp8_tall);
           core.set_k_loop(variant->fp8_k_loop);
           if (variant->raster_band > 0) core.set_raster_band(variant->raster_band);

@@ -430,6 +430,20 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs, fours and 128-row CTAs forced on o
   CHECK(kept.cluster_m == 1);
   CHECK(forced(inv, 4096, {.tall = true}).tile == g::fp8_tile::m64);
   CHECK(forced(inv, 4096, {.quads = true}).tile == g::fp8_tile::m64);
+  // GEMM2's K splits where the plan may split, at most its K tiles; never in batch-invariant runs.
+  const g::fp8_plan split3 = forced(qwen3(), 8, {.stream = false, .down_k_splits = 3});
+  CHECK(split3.down_k_splits == 3);
+  CHECK(split3.describe().find("in 3 K splits") != std::string::npos);
+  CHECK(fp8_plan_of(qwen3(), 8).down_k_splits == 1);                                 // the rule's
+  CHECK(forced(qwen3(), 8, {.stream = false, .down_k_splits = 40}).down_k_splits == 6);  // 768 / 128
+  CHECK(forced(inv, 8, {.down_k_splits = 3}).down_k_splits == 1);
+  CHECK(forced(qwen3(), 1, {.stream = true, .down_k_splits = 3}).down_k_splits == 1);
+  CHECK_THROWS_AS(forced(qwen3(), 8, {.down_k_splits = 0}), moerunner::invalid_argument_error);
+  moe_config_params det = qwen3();
+  det.deterministic = true;
+  const g::fp8_plan det_split = forced(det, 8, {.stream = false, .down_k_splits = 3});
+  CHECK(det_split.down == g::down_store::partials);  // deterministic: f32 parts, summed by the combine
+  CHECK(det_split.workspace.rows_bytes >= 3u * 8u * 8u * 2048u * 4u);
 }
 
 TEST_CASE("fp8 plan: the K loop and the raster band only where asked") {

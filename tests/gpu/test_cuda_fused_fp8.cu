@@ -123,7 +123,7 @@ using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_fp8_policy>;
 
 // Device copies of an fp8 problem and a runner with exactly the workspace it asks for; `forced`
 // forces the stream GEMMs, the pairs or fours of CTAs or the 128-row CTAs on or off, the K loop, the
-// raster band or the work items handed out (unset: the plan's rules).
+// raster band, the work items handed out or GEMM2's K splits (unset: the plan's rules).
 struct fp8_on_device {
   mr::test::device_tensor x, xq, xs, w13, w2, s13, s2, weights, ids;
   mr::test::device_buffer out_buf, ws_buf;
@@ -144,6 +144,7 @@ struct fp8_on_device {
         core.set_k_loop(forced.k_loop);
         core.set_raster_band(forced.raster_band);
         core.set_hand_out(forced.hand_out);
+        core.set_down_k_splits(forced.down_k_splits);
       }
     });
     if (p.prequantized) {
@@ -326,6 +327,22 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       CHECK(d->runner.describe(many.m).find("GEMM2 rows + combine kernel") != std::string::npos);
     const host_tensor want = single.run_once(p), got = four.run_once(p);
     CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);
+  }
+  SUBCASE("GEMM2's K split forced") {
+    // Where the rule takes none (6 K tiles, items past two waves at Qwen3-30B-A3B's decode):
+    // 3 splits into the output by atomics, into f32 parts where deterministic, and a count past
+    // the K tiles (one split per K tile).
+    const shape sh{8, 16, 4, 256, 768};
+    const mr::gpu::fp8_settings split3{.stream = false, .down_k_splits = 3};
+    for (const options& o : {options{}, options{.deterministic = true}}) {
+      CAPTURE(o.deterministic);
+      fp8_problem p(sh, bf16, o, rng);
+      fp8_on_device d(p, split3);
+      CHECK(d.runner.describe(sh.m).find("in 3 K splits") != std::string::npos);
+      worst = std::max(worst, check_case(sh, bf16, o, rng, false, mr::fp8_weight_scaling::block128, split3));
+    }
+    worst = std::max(worst, check_case({300, 16, 4, 256, 768}, bf16, {}, rng, false,
+                                       mr::fp8_weight_scaling::block128, {.stream = false, .down_k_splits = 40}));
   }
   SUBCASE("128-row CTAs") {
     // Forced on (the plan takes them only when asked) at 12-150 rows per expert, where experts'

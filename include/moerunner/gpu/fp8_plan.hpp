@@ -82,7 +82,8 @@ struct fp8_workspace {
 };
 
 // Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
-// set_stream_gemms, set_pairs, set_quads, set_tall, set_k_loop and set_raster_band); unset, the plan's
+// set_stream_gemms, set_pairs, set_quads, set_tall, set_k_loop, set_raster_band and
+// set_down_k_splits); unset, the plan's
 // rules decide. Batch-invariant runs keep single 64-row wgmma CTAs with the plain K loop
 // whatever is asked (one kernel family at every M is what the mode promises). Each member is
 // initialized, so a designated initializer names only what it forces.
@@ -95,6 +96,9 @@ struct fp8_settings {
   std::optional<int> raster_band = std::nullopt;  // M tiles per raster band of the wgmma GEMMs (>= 1; any mode)
   // wgmma work items handed out at run time (unset: off; 64-row CTAs alone or in pairs, plain K loop)
   std::optional<bool> hand_out = std::nullopt;
+  // The wgmma GEMM2's K splits (>= 1, at most its K tiles: fewer where I has fewer) wherever the
+  // plan may split it (not the stream GEMMs, batch-invariant or no-combine runs); unset: its rule.
+  std::optional<int> down_k_splits = std::nullopt;
 };
 
 struct fp8_plan {
@@ -187,10 +191,15 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   }
   const down_store store =
       plan_detail::store_mode(cfg, p.stream ? gemm_family::stream : gemm_family::wgmma, slots);
+  if (settings.down_k_splits && *settings.down_k_splits < 1)
+    throw invalid_argument_error("make_fp8_plan: down_k_splits must be positive, got " +
+                                 std::to_string(*settings.down_k_splits));
   if (!p.stream && !cfg.no_combine() && !cfg.batch_invariant() && num_tokens > 0) {
-    p.down_k_splits = wgmma_down_k_splits(moe_m_tile_bound(slots, e, p.schedule_block_m), cfg.hidden_size(),
-                                          cfg.intermediate_size(), dev.sm_count / p.cluster_m, fp8_down_cols,
-                                          fp8_block_k);
+    p.down_k_splits = settings.down_k_splits
+                          ? std::min(*settings.down_k_splits, (cfg.intermediate_size() + fp8_block_k - 1) / fp8_block_k)
+                          : wgmma_down_k_splits(moe_m_tile_bound(slots, e, p.schedule_block_m), cfg.hidden_size(),
+                                                cfg.intermediate_size(), dev.sm_count / p.cluster_m, fp8_down_cols,
+                                                fp8_block_k);
   }
   p.down = store == down_store::rows && p.down_k_splits > 1 ? down_store::partials : store;
   p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;

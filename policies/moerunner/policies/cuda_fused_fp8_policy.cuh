@@ -86,16 +86,18 @@ class cuda_fused_fp8_policy {
     return gpu::make_fp8_plan(cfg_, num_tokens, dev, settings_);
   }
   // Force the stream GEMMs, pairs or fours of wgmma CTAs or 128-row wgmma CTAs on or off, the wgmma
-  // GEMMs' K loop or raster band, or their work items handed out at run time (unset: the plan's
-  // rules), for measuring one against the other (gpu::fp8_settings).
+  // GEMMs' K loop or raster band, their work items handed out at run time, or GEMM2's K splits
+  // (unset: the plan's rules), for measuring one against the other (gpu::fp8_settings).
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
   void set_quads(std::optional<bool> on) noexcept { settings_.quads = on; }
   void set_tall(std::optional<bool> on) noexcept { settings_.tall = on; }
   void set_k_loop(std::optional<gpu::fp8_k_loop> loop) noexcept { settings_.k_loop = loop; }
   void set_hand_out(std::optional<bool> on) noexcept { settings_.hand_out = on; }
-  // (A band below 1 is refused by the plan, so by the next plan, workspace_bytes or run.)
+  // (A band or a split count below 1 is refused by the plan, so by the next plan, workspace_bytes
+  // or run.)
   void set_raster_band(std::optional<int> band) noexcept { settings_.raster_band = band; }
+  void set_down_k_splits(std::optional<int> splits) noexcept { settings_.down_k_splits = splits; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
