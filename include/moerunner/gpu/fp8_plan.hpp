@@ -83,10 +83,10 @@ struct fp8_workspace {
 
 // Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
 // set_stream_gemms, set_pairs, set_quads, set_tall, set_k_loop, set_raster_band and
-// set_down_k_splits); unset, the plan's
-// rules decide. Batch-invariant runs keep single 64-row wgmma CTAs with the plain K loop
-// whatever is asked (one kernel family at every M is what the mode promises). Each member is
-// initialized, so a designated initializer names only what it forces.
+// set_down_k_splits); unset, the plan's rules decide. Batch-invariant runs keep single 64-row
+// wgmma CTAs with the plain K loop whatever is asked (one kernel family at every M is what the
+// mode promises). Each member is initialized, so a designated initializer names only what it
+// forces.
 struct fp8_settings {
   std::optional<bool> stream = std::nullopt;   // the stream GEMMs (any M > 0), or never
   std::optional<bool> pairs = std::nullopt;    // wgmma CTAs in pairs on 128-row tiles, or never
