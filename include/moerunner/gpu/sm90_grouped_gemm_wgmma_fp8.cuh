@@ -76,9 +76,9 @@ int prepare_wgmma_fp8_gemm(const device_facts& dev) {
 // 4 for tiles of 128 or 256 rows that the cluster's 64-row CTAs share, each weight tile multicast
 // into all), with the K loop Loop (fp8_k_loop; other than plain on 64-row CTAs alone or in pairs
 // only); b is the e4m3 weights [num_experts, p.g.b_rows_per_expert, p.g.k]. Fills p.g.tiles,
-// tile_count and n_tiles. With p.g.item_counter (zero: schedule.item_counters) the work items are handed out at
-// run time (64-row CTAs alone or in pairs with the plain K loop only: the 128-row CTAs' producer,
-// at 40 registers, spilled with the hand-out's state).
+// tile_count and n_tiles. With p.g.item_counter (zero: schedule.item_counters) the work items
+// are handed out at run time (64-row CTAs alone or in pairs with the plain K loop only: the
+// 128-row CTAs' producer, at 40 registers, spilled with the hand-out's state).
 template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM = fp8_block_m,
           fp8_k_loop Loop = fp8_k_loop::plain>
 void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uint8_t* b, int num_experts,
