@@ -102,6 +102,20 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// A position in a ring of Stages stages: the stage and the parity of its barriers' current phase,
+// stepped without a division per K tile.
+template <int Stages>
+struct ring_slot {
+  int stage = 0;
+  std::uint32_t phase = 0;
+  __device__ __forceinline__ void next() {
+    if (++stage == Stages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
 template <class T, moe_gemm_kind Kind, int Cluster, int BlockM = gpu::fp8_block_m,
           gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain, bool HandOut = false>
 struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
@@ -215,7 +229,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     const int tiles = *g.tile_count;
     items_t items = items_of(g, item_ring);
     const cta_place me = items.me;
-    std::uint32_t it = 0;
+    // Per stage, thread t < bm copies row t's A scale (whole warps: no lane of a copying warp
+    // idles), and lane j < b_scales of the last warp box j's B scale.
+    const bool copies_a_scale = tid < bm;
+    const int b_scale_box = tid - (producer_threads - 32);
+    ring_slot<stages> slot;
     for (auto w = items.first(); w < items.work; w = items.next_warp(w)) {
       items.ask();
       const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
@@ -227,24 +245,26 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
 #pragma unroll
       for (int i = 0; i < a_passes; ++i)
         a_src_row[i] = a_row_of(a_source_row<Kind>(tile, ld_row + i * rows_per_pass, g.row_to_slot, g.top_k), g.k);
-      // The B scale this thread copies per stage (threads of chunk 1, one per box), or none
-      // (per channel: the epilogue applies the scales).
+      const a_row a_scale_row =
+          copies_a_scale ? a_row_of(a_source_row<Kind>(tile, tid, g.row_to_slot, g.top_k), g.k) : a_row_of(-1, g.k);
+      // The B scale this thread copies per stage, or none (per channel: the epilogue applies the scales).
       const bool per_block = p.b_scaling == fp8_weight_scaling::block128;
       const bool copies_b_scale =
-          ld_chunk == 1 && ld_row < b_scales && p.b_scaling != fp8_weight_scaling::per_channel;
+          b_scale_box >= 0 && b_scale_box < b_scales && p.b_scaling != fp8_weight_scaling::per_channel;
       std::int64_t b_scale_base = 0;
       bool b_scale_ok = false;
       if (copies_b_scale) {
-        // The first expert row of box ld_row, whose 128-row scale block the box's rows share.
+        // The first expert row of the box, whose 128-row scale block the box's rows share.
         int col = 0, half = 0;
-        box_origin(ld_row, n0, col, half);
+        box_origin(b_scale_box, n0, col, half);
         const std::int64_t row = b_row<Kind>(g, half, col);
         b_scale_ok = row < g.b_rows_per_expert;  // a box past n (GEMM2's last N tile) reads zeros
         b_scale_base = per_block ? (tile.expert * b_scale_rows + row / fp8_group) * k_tiles : tile.expert;
       }
-      for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
-        const int stage = static_cast<int>(it % stages);
-        mbarrier_wait(&bars.empty[stage], ((it / stages) & 1) ^ 1);
+      for (int kt = kt_begin; kt < kt_end; ++kt, slot.next()) {
+        const int stage = slot.stage;
+        // A fresh barrier counts as having completed the phase before its first (parity 1).
+        mbarrier_wait(&bars.empty[stage], slot.phase ^ 1u);
         unsigned char* sa = ring + stage * stage_bytes;
         if (tid == 0) {
           cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
@@ -268,22 +288,25 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
           }
         }
         const int kcol = kt * bk + ld_chunk * 16;
+        // Rows past the tile are zero-filled (no read, no branch): their results are never
+        // stored, and a wgmma row reads only its own A row and scale.
 #pragma unroll
         for (int i = 0; i < a_passes; ++i) {
           // At 40 registers: the row's addresses formed anew per K tile (a few integer
           // operations) rather than held across the loop, 64 bits each.
           if constexpr (lean_producer) asm volatile("" : "+r"(a_src_row[i]));
-          // Rows past the tile keep whatever the stage held: their results are never stored, and
-          // a wgmma row reads only its own A row (and its own scale).
-          if (!a_row_valid(a_src_row[i])) continue;
+          const bool ok = a_row_valid(a_src_row[i]);
           const int r = ld_row + i * rows_per_pass;
-          cp_async_16(smem_address(sa + r * bk + st_chunk * 16), p.a + a_data_offset(a_src_row[i], g.k, kcol), true);
-          if (ld_chunk == 0)
-            cp_async_4(smem_address(sa + a_scale_offset + r * 4),
-                       p.a_scale + a_scale_index(a_src_row[i], a_scale_stride, kt), true);
+          cp_async_16(smem_address(sa + r * bk + st_chunk * 16), p.a + (ok ? a_data_offset(a_src_row[i], g.k, kcol) : 0),
+                      ok);
+        }
+        if (copies_a_scale) {
+          const bool ok = a_row_valid(a_scale_row);
+          cp_async_4(smem_address(sa + a_scale_offset + tid * 4),
+                     p.a_scale + (ok ? a_scale_index(a_scale_row, a_scale_stride, kt) : 0), ok);
         }
         if (copies_b_scale)
-          cp_async_4(smem_address(sa + b_scale_offset + ld_row * 4),
+          cp_async_4(smem_address(sa + b_scale_offset + b_scale_box * 4),
                      p.b_scale + (b_scale_ok ? b_scale_base + (per_block ? kt : 0) : 0), b_scale_ok);
         cp_async_arrive_noinc(&bars.full[stage]);
       }
@@ -294,7 +317,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   __device__ static void consumer(const moe_gemm_fp8_params<T>& p, unsigned char* ring, barriers& bars,
                                   float (&amax_exchange)[2][consumers][block_m], work_item_ring* item_ring) {
     const moe_gemm_params<T>& g = p.g;
-    const int group = threadIdx.x / 128 - 1;  // consumer warpgroup
+    // The consumer warpgroup, read from lane 0 so that ptxas sees it warp-uniform: the wgmma
+    // descriptors below then live in uniform registers, formed without per-thread arithmetic.
+    const int group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128) - 1, 0);
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int k_tiles = g.k / bk;
     const bool per_channel = p.b_scaling == fp8_weight_scaling::per_channel;
@@ -306,7 +331,13 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     const cta_place me = items.me;
     // The warpgroup's rows of the tile, and its first B block (the other follows with tall tiles).
     const int row_base = tall ? 64 * group : 0, first_block = tall ? 0 : group;
-    std::uint32_t it = 0;
+    // The warpgroup's A and the CTA's B descriptors in stage 0; a stage or block further is an
+    // add to the start-address field (addresses stay below 256 KB: no carry out of it).
+    const std::uint64_t a_desc = sw128_kmajor_desc(ring_addr + row_base * bk);
+    const std::uint64_t b_desc = sw128_kmajor_desc(ring_addr + a_bytes);
+    constexpr std::uint64_t stage_desc = stage_bytes >> 4, block_desc = (128 * bk) >> 4;
+    std::uint32_t it = 0;  // the overlapped loop's K tile count
+    ring_slot<stages> slot;  // the other loops' ring position
     int exchange = 0;  // which half of amax_exchange this item uses (see the gate_up epilogue)
     // stagger: warpgroup 0 issues first; each then waits on its own turn barrier and passes the
     // other's. The two run the same blocks in the same order, so the turns pair up; warpgroup 0
@@ -333,13 +364,12 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
           k_loop_overlapped(bars, ring, ring_addr, it, kt_end - kt_begin, first_block, r0_of(row_base, warp, lane),
                             per_channel, lane, static_cast<std::uint32_t>(me.rank ^ 1), acc);
       } else {
-        for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
-          const int stage = static_cast<int>(it % stages);
-          mbarrier_wait(&bars.full[stage], (it / stages) & 1);
+        for (int kt = kt_begin; kt < kt_end; ++kt, slot.next()) {
+          const int stage = slot.stage;
+          mbarrier_wait(&bars.full[stage], slot.phase);
           // The A rows and scales came by cp.async (generic proxy); wgmma reads through the async proxy.
           cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-          const std::uint32_t sa = ring_addr + stage * stage_bytes;
-          const std::uint64_t da = sw128_kmajor_desc(sa + row_base * bk);
+          const std::uint64_t stage_off = static_cast<std::uint64_t>(stage) * stage_desc;
           const unsigned char* stage_ptr = ring + stage * stage_bytes;
           const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
           const float* b_scale_s = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
@@ -357,11 +387,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
               // their wait (ptxas would serialize them), so a warpgroup without rows multiplies
               // whatever the stage holds (never stored).
               named_barrier_sync(turn_barrier + group);
-              mma_block(part, da, sa, b);
+              mma_block(part, a_desc + stage_off, b_desc + stage_off + b * block_desc);
               named_barrier_arrive(turn_barrier + (group ^ 1));
               wgmma_wait<0>();
             } else if (active) {
-              mma_block(part, da, sa, b);
+              mma_block(part, a_desc + stage_off, b_desc + stage_off + b * block_desc);
               wgmma_wait<0>();
             }
             wgmma_fence_operands(part);
@@ -410,10 +440,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       if (group == 0) named_barrier_sync(turn_barrier);
   }
 
-  // Block b's four m64n128k32 over the K tile of the stage at `sa` (A descriptor da) into `part`
-  // (scale-d 0 on the first), one commit group.
-  __device__ __forceinline__ static void mma_block(float (&part)[64], std::uint64_t da, std::uint32_t sa, int b) {
-    const std::uint64_t db = sw128_kmajor_desc(sa + a_bytes + b * 128 * bk);
+  // One B block's four m64n128k32 over a K tile (descriptors da, db of its A rows and B block)
+  // into `part` (scale-d 0 on the first), one commit group.
+  __device__ __forceinline__ static void mma_block(float (&part)[64], std::uint64_t da, std::uint64_t db) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < k_steps; ++kk) {
