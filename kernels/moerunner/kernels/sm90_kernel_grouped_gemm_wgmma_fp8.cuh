@@ -31,13 +31,14 @@
 // (the promotion DeepSeek-V3's report describes): the reduced-precision sums span 128 products,
 // never the whole K. Both warpgroups wait on the same stage, so they tend to promote at the same
 // time, with the tensor pipe idle (Mixtral-8x7B 4096's GEMM1: 39% busy). Two K loops address
-// that, each only on request (gpu::fp8_k_loop): overlap (64-row CTAs) keeps two sums, K tile
-// kt + 1's wgmma running while kt's are promoted (k_loop_overlapped); it measured slower at
-// prefill (bench/NOTES.md, round 15): the faster consumers let the CTAs sharing each weight tile
-// drift apart, and L2 served fewer of its reads. stagger has the warpgroups take turns to issue
-// each block's wgmma (two named barriers), so that one promotes while the other's run, with the
-// registers of the plain loop; it measured 0-22% slower (round 16). The K loop is not all of the
-// time: with no loads at all GEMM1 took as long as with them, ~30% of it in its epilogue.
+// that, each only on request (gpu::fp8_k_loop): overlap (64-row CTAs) keeps two sums and K tile
+// kt + 1's wgmma queued behind kt's, so that kt's retirement and promotion run beside tensor
+// work (k_loop_overlapped; its first form, which issued kt + 1 only after kt's wait, measured
+// slower at prefill: bench/NOTES.md, rounds 15 and 21). stagger has the warpgroups take turns
+// to issue each block's wgmma (two named barriers), so that one promotes while the other's run,
+// with the registers of the plain loop; it measured 0-22% slower (rounds 16 and 21). Round 21's
+// profile: per K tile (1273 cycles against 512 of tensor work) the consumers spent ~600 cycles
+// on non-tensor instructions and the producer was busy ~80% of it.
 //
 // The producer copies per stage: the B boxes by TMA (thread 0), the gathered A rows by 16-byte
 // cp.async (every thread, as the 16-bit kernel), each row's A scale of the K tile and the
@@ -429,9 +430,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         const auto store = [&](const auto& act) {
           store_act(p, act, tile, n0, first_block, row_base, warp, lane, acc, amax_exchange[exchange], group);
         };
-        // One epilogue per activation kind, except where registers are short (128-row tiles, the
-        // overlapped loop: three copies spilled): there the kind is chosen per value.
-        if constexpr (lean_producer) store(activation_any{g.act, halves == 2});
+        // One epilogue per activation kind, except where registers are short (128-row tiles:
+        // three copies spilled): there the kind is chosen per value.
+        if constexpr (tall) store(activation_any{g.act, halves == 2});
         else with_activation(g.act, halves == 2, store);
         exchange ^= 1;
       }
@@ -477,14 +478,18 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     return row_base + 16 * warp + lane / 4;
   }
 
-  // overlap: one item's n K tiles (the CTA's K tiles it .. it + n - 1), K tile kt + 1's wgmma
-  // running while kt's sums are promoted, into the other of two sum blocks. kt's stage is
-  // released as soon as its wgmma are done, before kt + 1's start. The loop goes in pairs so
-  // that every path into and out of it has the same group in flight (kt's, in `sums_a`): ptxas
-  // tracks groups without relating branch conditions, and serializes every wgmma of the kernel
-  // where one path may leave a group in flight that another does not (C7514 / C7518). For the
-  // same reason nothing between a wgmma and its wait branches: releases are predicated, and a
-  // CTA of a pair without rows multiplies whatever its stages hold (never stored).
+  // overlap: one item's n K tiles (the CTA's K tiles it .. it + n - 1) with one K tile's wgmma
+  // always queued behind the running one: K tile kt + 1's stage is awaited, its scales read and
+  // its wgmma issued (into the other of two sum blocks) before kt's are waited for
+  // (wgmma.wait_group 1), so the tensor pipe goes on from kt to kt + 1 while this warpgroup
+  // retires, releases and promotes kt. kt's stage is released once its wgmma are done. The loop
+  // goes in pairs so that every path into and out of it has the same group in flight (kt's, in
+  // `sums_a`): ptxas tracks groups without relating branch conditions, and serializes every
+  // wgmma of the kernel where one path may leave a group in flight that another does not (C7514
+  // / C7518). For the same reason nothing between a wgmma and its wait branches: releases are
+  // predicated, and a CTA of a pair without rows multiplies whatever its stages hold (never
+  // stored). (Until round 21 the loop waited for kt before issuing kt + 1, hiding only the
+  // promotion; it measured slower than the plain loop: bench/NOTES.md, rounds 15 and 21.)
   __device__ __forceinline__ static void k_loop_overlapped(barriers& bars, unsigned char* ring, std::uint32_t ring_addr,
                                                            std::uint32_t& it, int n, int block, int r0,
                                                            bool per_channel, int lane, std::uint32_t peer,
@@ -511,30 +516,34 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       }
       wgmma_commit();
     };
-    // K tile i's wgmma are done: its stage is free (for the peer's multicast too), its sums readable.
-    const auto retire = [&](std::uint32_t i, float(&sums)[64]) {
-      wgmma_wait<0>();
+    // K tile i's wgmma are done (Pending: groups issued after it, still running): its stage is
+    // free (for the peer's multicast too), its sums readable.
+    const auto retire = [&](auto pending, std::uint32_t i, float(&sums)[64]) {
+      wgmma_wait<decltype(pending)::value>();
       wgmma_fence_operands(sums);
       mbarrier_arrive_where<Cluster == 2>(lane < release_lanes, &bars.empty[i % stages], peer);
     };
+    constexpr std::integral_constant<int, 0> none{};
+    constexpr std::integral_constant<int, 1> one{};
     issue(it, sums_a, f_a);
-    int j = 1;
+    int j = 1;  // K tiles issued
     for (; j + 1 < n; j += 2, it += 2) {
-      retire(it, sums_a);
       issue(it + 1, sums_b, f_b);
+      retire(one, it, sums_a);
       promote(sums_a, f_a, acc, 0);
-      retire(it + 1, sums_b);
       issue(it + 2, sums_a, f_a);
+      retire(one, it + 1, sums_b);
       promote(sums_b, f_b, acc, 0);
     }
-    retire(it, sums_a);
     if (j < n) {
       issue(it + 1, sums_b, f_b);
+      retire(one, it, sums_a);
       promote(sums_a, f_a, acc, 0);
-      retire(it + 1, sums_b);
+      retire(none, it + 1, sums_b);
       promote(sums_b, f_b, acc, 0);
       it += 2;
     } else {
+      retire(none, it, sums_a);
       promote(sums_a, f_a, acc, 0);
       it += 1;
     }
