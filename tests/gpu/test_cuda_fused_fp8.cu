@@ -378,6 +378,9 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       loop_case({64, 8, 2, 640, 1152}, bf16, {});   // 5 and 9 K tiles; GEMM2 split where items are few
       loop_case({40, 128, 6, 256, 128}, bf16, {});  // most experts get no rows
       loop_case({600, 8, 2, 256, 256}, bf16, {.ids = ids_kind::one_expert});
+      // GEMM1's epilogue is compiled per activation kind in both loops.
+      loop_case({300, 8, 2, 256, 256}, bf16, {.act = mr::activation_kind::gelu});
+      loop_case({300, 8, 2, 256, 256}, bf16, {.act = mr::activation_kind::swiglu_clamped});
       loop_case({600, 8, 2, 256, 256}, bf16, {}, false, mr::fp8_weight_scaling::per_tensor);
       loop_case({600, 8, 2, 384, 384}, bf16, {.gated = false}, false, mr::fp8_weight_scaling::per_channel);
       const mr::gpu::fp8_settings pairs{.stream = false, .pairs = true, .k_loop = loop};

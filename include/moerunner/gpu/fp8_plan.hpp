@@ -55,12 +55,13 @@ inline constexpr int fp8_quad_block_m = 256;
 // but measured slower on 5 of the 6 prefill cells where experts average more than 64 rows
 // (H100, one run: 10-48%; 14% faster only at DeepSeek-V3 4096 tokens). bench/NOTES.md, round 14.
 // The wgmma K loop: each warpgroup waits for its K tile's wgmma and then promotes the sums
-// (plain), both warpgroups at once as they wait on the same stage; or K tile kt + 1's wgmma run
-// while kt's sums are promoted (overlap: two sum blocks); or the two warpgroups take turns to
-// issue (stagger: one promotes while the other's wgmma run); either on 64-row CTAs alone or in
-// pairs. Only plain unless asked (fp8_settings::k_loop): overlap measured 9-34% slower at
-// prefill on an H100, the weight tiles' L2 reuse lost as the CTAs that share them drifted apart
-// (bench/NOTES.md, round 15); stagger 0-22% slower, alone or in pairs (round 16).
+// (plain), both warpgroups at once as they wait on the same stage; or K tile kt + 1's wgmma are
+// issued before kt's are waited for, and run while kt's sums are promoted (overlap: two sum
+// blocks); or the two warpgroups take turns to issue (stagger: one promotes while the other's
+// wgmma run); either on 64-row CTAs alone or in pairs. Only plain unless asked
+// (fp8_settings::k_loop): stagger measured 0-22% slower, alone or in pairs (bench/NOTES.md,
+// rounds 16 and 21); overlap in its first form, which issued kt + 1 only after kt's wait,
+// 9-34% slower (rounds 15 and 21); its pipelined form is not measured yet.
 enum class fp8_k_loop : std::uint8_t { plain, overlap, stagger };
 inline constexpr const char* fp8_k_loop_name(fp8_k_loop l) {
   return l == fp8_k_loop::plain ? "plain" : l == fp8_k_loop::overlap ? "overlapped" : "staggered";
