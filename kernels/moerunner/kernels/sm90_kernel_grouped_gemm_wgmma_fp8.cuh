@@ -160,6 +160,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   static_assert(producer_threads * producer_regs + consumers * 128 * consumer_regs <= 168 * shape::threads,
                 "the register split must fit the CTA's registers");
   static_assert(b_scale_offset + b_scales * 4 <= a_bytes + b_bytes + scale_bytes, "the scales fit their area");
+  static_assert(shape::smem_bytes + 8 * 1024 <= (1 << 18),
+                "the consumers offset a descriptor's 14-bit start address (bytes / 16) per stage: the ring, "
+                "after the static shared memory, must end below 256 KB");
 
   struct barriers {
     std::uint64_t full[stages];
