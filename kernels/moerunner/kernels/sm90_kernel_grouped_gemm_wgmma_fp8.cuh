@@ -151,6 +151,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   static constexpr int rows_per_pass = producer_threads / chunks_per_row;  // 16
   static constexpr int a_passes = bm / rows_per_pass;                      // 4 or 8
   static constexpr int k_steps = bk / 32;                                  // wgmma per K tile
+  // A descriptor's start address (bytes / 16) one stage, or one 128-row B block, further.
+  static constexpr std::uint64_t stage_desc = stage_bytes >> 4, block_desc = (128 * bk) >> 4;
   // A consumer thread holds 128 accumulators and a block's 64-register sum (128-row tiles), 64
   // accumulators and one sum (64-row tiles), or 64 and two sums (overlap).
   static constexpr bool lean_producer = tall || overlap;
@@ -339,9 +341,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     // add to the start-address field (addresses stay below 256 KB: no carry out of it).
     const std::uint64_t a_desc = sw128_kmajor_desc(ring_addr + row_base * bk);
     const std::uint64_t b_desc = sw128_kmajor_desc(ring_addr + a_bytes);
-    constexpr std::uint64_t stage_desc = stage_bytes >> 4, block_desc = (128 * bk) >> 4;
-    std::uint32_t it = 0;  // the overlapped loop's K tile count
-    ring_slot<stages> slot;  // the other loops' ring position
+    ring_slot<stages> slot;  // the stage of the CTA's next K tile
     int exchange = 0;  // which half of amax_exchange this item uses (see the gate_up epilogue)
     // stagger: warpgroup 0 issues first; each then waits on its own turn barrier and passes the
     // other's. The two run the same blocks in the same order, so the turns pair up; warpgroup 0
@@ -365,8 +365,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       for (int i = 0; i < 64 * blocks; ++i) acc[i] = 0.0f;
       if constexpr (overlap) {
         if (kt_begin < kt_end)
-          k_loop_overlapped(bars, ring, ring_addr, it, kt_end - kt_begin, first_block, r0_of(row_base, warp, lane),
-                            per_channel, lane, static_cast<std::uint32_t>(me.rank ^ 1), acc);
+          k_loop_overlapped(bars, ring, slot, kt_end - kt_begin, a_desc, b_desc + first_block * block_desc, first_block,
+                            r0_of(row_base, warp, lane), per_channel, lane, static_cast<std::uint32_t>(me.rank ^ 1), acc);
       } else {
         for (int kt = kt_begin; kt < kt_end; ++kt, slot.next()) {
           const int stage = slot.stage;
@@ -481,74 +481,82 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     return row_base + 16 * warp + lane / 4;
   }
 
-  // overlap: one item's n K tiles (the CTA's K tiles it .. it + n - 1) with one K tile's wgmma
-  // always queued behind the running one: K tile kt + 1's stage is awaited, its scales read and
-  // its wgmma issued (into the other of two sum blocks) before kt's are waited for
-  // (wgmma.wait_group 1), so the tensor pipe goes on from kt to kt + 1 while this warpgroup
-  // retires, releases and promotes kt. kt's stage is released once its wgmma are done. The loop
-  // goes in pairs so that every path into and out of it has the same group in flight (kt's, in
-  // `sums_a`): ptxas tracks groups without relating branch conditions, and serializes every
-  // wgmma of the kernel where one path may leave a group in flight that another does not (C7514
-  // / C7518). For the same reason nothing between a wgmma and its wait branches: releases are
-  // predicated, and a CTA of a pair without rows multiplies whatever its stages hold (never
-  // stored). (Until round 21 the loop waited for kt before issuing kt + 1, hiding only the
-  // promotion; it measured slower than the plain loop: bench/NOTES.md, rounds 15 and 21.)
-  __device__ __forceinline__ static void k_loop_overlapped(barriers& bars, unsigned char* ring, std::uint32_t ring_addr,
-                                                           std::uint32_t& it, int n, int block, int r0,
-                                                           bool per_channel, int lane, std::uint32_t peer,
-                                                           float (&acc)[64 * blocks]) {
+  // overlap: one item's n K tiles (the CTA's next n, from `slot` on; da, db: the warpgroup's A
+  // rows and B block in stage 0) with one K tile's wgmma always queued behind the running one:
+  // K tile kt + 1's stage is awaited, its scales read and its wgmma issued (into the other of two
+  // sum blocks) before kt's are waited for (wgmma.wait_group 1), so the tensor pipe goes on from
+  // kt to kt + 1 while this warpgroup retires, releases and promotes kt. kt's stage is released
+  // once its wgmma are done. The loop goes in pairs so that every path into and out of it has
+  // the same group in flight (kt's, in `sums_a`): ptxas tracks groups without relating branch
+  // conditions, and serializes every wgmma of the kernel where one path may leave a group in
+  // flight that another does not (C7514 / C7518). For the same reason nothing between a wgmma
+  // and its wait branches: releases are predicated, and a CTA of a pair without rows multiplies
+  // whatever its stages hold (never stored). (Until round 21 the loop waited for kt before
+  // issuing kt + 1, hiding only the promotion; it measured slower than the plain loop:
+  // bench/NOTES.md, rounds 15 and 21.)
+  __device__ __forceinline__ static void k_loop_overlapped(barriers& bars, unsigned char* ring,
+                                                           ring_slot<stages>& slot, int n, std::uint64_t da,
+                                                           std::uint64_t db, int block, int r0, bool per_channel,
+                                                           int lane, std::uint32_t peer, float (&acc)[64 * blocks]) {
     float sums_a[64], sums_b[64], f_a[2][2], f_b[2][2];
-    // Waits for K tile i's stage, reads its scale factors and starts its wgmma into `sums`.
-    const auto issue = [&](std::uint32_t i, float(&sums)[64], float(&f)[2][2]) {
-      const int stage = static_cast<int>(i % stages);
-      mbarrier_wait(&bars.full[stage], (i / stages) & 1);
+    // Waits for the stage of K tile `at`, reads its scale factors and starts its wgmma into `sums`.
+    const auto issue = [&](const ring_slot<stages>& at, float(&sums)[64], float(&f)[2][2]) {
+      mbarrier_wait(&bars.full[at.stage], at.phase);
       // The A rows and scales came by cp.async (generic proxy); wgmma reads through the async proxy.
       cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-      const unsigned char* stage_ptr = ring + stage * stage_bytes;
+      const unsigned char* stage_ptr = ring + at.stage * stage_bytes;
       const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
       const float* b_scales = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
       promotion_factors(b_scales, block, per_channel, a_scales[r0], a_scales[r0 + 8], f);
-      const std::uint32_t sa = ring_addr + stage * stage_bytes;
-      const std::uint64_t da = sw128_kmajor_desc(sa), db = sw128_kmajor_desc(sa + a_bytes + block * 128 * bk);
+      const std::uint64_t stage_off = static_cast<std::uint64_t>(at.stage) * stage_desc;
+      const std::uint64_t a = da + stage_off, b = db + stage_off;
       wgmma_fence();
-      wgmma_m64n128k32_e4m3_fresh(sums, da, db);
+      wgmma_m64n128k32_e4m3_fresh(sums, a, b);
 #pragma unroll
       for (int kk = 1; kk < k_steps; ++kk) {
         const auto step = static_cast<std::uint64_t>(kk * 32 >> 4);
-        wgmma_m64n128k32_e4m3(sums, da + step, db + step, 1);
+        wgmma_m64n128k32_e4m3(sums, a + step, b + step, 1);
       }
       wgmma_commit();
     };
-    // K tile i's wgmma are done (Pending: groups issued after it, still running): its stage is
+    // K tile `at`'s wgmma are done (Pending: groups issued after it, still running): its stage is
     // free (for the peer's multicast too), its sums readable.
-    const auto retire = [&](auto pending, std::uint32_t i, float(&sums)[64]) {
+    const auto retire = [&](auto pending, const ring_slot<stages>& at, float(&sums)[64]) {
       wgmma_wait<decltype(pending)::value>();
       wgmma_fence_operands(sums);
-      mbarrier_arrive_where<Cluster == 2>(lane < release_lanes, &bars.empty[i % stages], peer);
+      mbarrier_arrive_where<Cluster == 2>(lane < release_lanes, &bars.empty[at.stage], peer);
+    };
+    const auto after = [](ring_slot<stages> at) {
+      at.next();
+      return at;
     };
     constexpr std::integral_constant<int, 0> none{};
     constexpr std::integral_constant<int, 1> one{};
-    issue(it, sums_a, f_a);
+    ring_slot<stages> a = slot;  // the K tile in flight in sums_a
+    issue(a, sums_a, f_a);
     int j = 1;  // K tiles issued
-    for (; j + 1 < n; j += 2, it += 2) {
-      issue(it + 1, sums_b, f_b);
-      retire(one, it, sums_a);
+    for (; j + 1 < n; j += 2) {
+      const ring_slot<stages> b = after(a);
+      issue(b, sums_b, f_b);
+      retire(one, a, sums_a);
       promote(sums_a, f_a, acc, 0);
-      issue(it + 2, sums_a, f_a);
-      retire(one, it + 1, sums_b);
+      a = after(b);
+      issue(a, sums_a, f_a);
+      retire(one, b, sums_b);
       promote(sums_b, f_b, acc, 0);
     }
     if (j < n) {
-      issue(it + 1, sums_b, f_b);
-      retire(one, it, sums_a);
+      const ring_slot<stages> b = after(a);
+      issue(b, sums_b, f_b);
+      retire(one, a, sums_a);
       promote(sums_a, f_a, acc, 0);
-      retire(none, it + 1, sums_b);
+      retire(none, b, sums_b);
       promote(sums_b, f_b, acc, 0);
-      it += 2;
+      slot = after(b);
     } else {
-      retire(none, it, sums_a);
+      retire(none, a, sums_a);
       promote(sums_a, f_a, acc, 0);
-      it += 1;
+      slot = after(a);
     }
   }
 
