@@ -221,9 +221,11 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
   if (forced.tall.value_or(false) && !forced.pairs.value_or(false) && s.m > 0)
     CHECK(g.runner.describe(s.m).find("wgmma e4m3 m128") != std::string::npos);
   // GEMM2's K splits where the plan may split (combined output), at most its K tiles.
-  if (forced.down_k_splits.value_or(1) > 1 && !o.no_combine && s.m > 0)
-    CHECK(g.runner.describe(s.m).find("in " + std::to_string(std::min(*forced.down_k_splits, s.i / 128)) +
+  if (forced.down_k_splits.value_or(1) > 1 && !o.no_combine && s.m > 0) {
+    const int down_k_tiles = s.i / mr::fp8_block_quant_info::group;
+    CHECK(g.runner.describe(s.m).find("in " + std::to_string(std::min(*forced.down_k_splits, down_k_tiles)) +
                                       " K splits") != std::string::npos);
+  }
   const host_tensor got = g.run_once(p);
   const double err = mr::test::rel_error(got.view, p.ref.view);
   CHECK_MESSAGE(err <= normwise_bound(s), "rel err ", err, " bound ", normwise_bound(s));
