@@ -370,22 +370,17 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       } else {
         for (int kt = kt_begin; kt < kt_end; ++kt, slot.next()) {
           const int stage = slot.stage;
-          mbarrier_wait(&bars.full[stage], slot.phase);
-          // The A rows and scales came by cp.async (generic proxy); wgmma reads through the async proxy.
-          cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+          const stage_scales sc = await_stage(bars, ring, slot);
           const std::uint64_t stage_off = static_cast<std::uint64_t>(stage) * stage_desc;
-          const unsigned char* stage_ptr = ring + stage * stage_bytes;
-          const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
-          const float* b_scale_s = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
           const int r0 = r0_of(row_base, warp, lane);
-          const float sa0 = a_scales[r0], sa1 = a_scales[r0 + 8];
+          const float sa0 = sc.a[r0], sa1 = sc.a[r0 + 8];
 #pragma unroll
           for (int blk = 0; blk < blocks; ++blk) {
             const int b = first_block + blk;
             // The promotion's factors before the wgmma, so that their shared-memory reads wait in
             // the wgmma's shadow rather than after it (each K tile's promotion waited on them).
             float f[2][2];
-            promotion_factors(b_scale_s, b, per_channel, sa0, sa1, f);
+            promotion_factors(sc.b, b, per_channel, sa0, sa1, f);
             if constexpr (stagger) {
               // This warpgroup's turn, then the other's: nothing branches between the wgmma and
               // their wait (ptxas would serialize them), so a warpgroup without rows multiplies
@@ -442,6 +437,21 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     }
     if constexpr (stagger)
       if (group == 0) named_barrier_sync(turn_barrier);
+  }
+
+  // Waits until K tile `at`'s stage is full and orders its A rows and scales, which came by
+  // cp.async (generic proxy), before the wgmma reads (async proxy); the stage's row and B scales.
+  struct stage_scales {
+    const float* a;
+    const float* b;
+  };
+  __device__ __forceinline__ static stage_scales await_stage(barriers& bars, const unsigned char* ring,
+                                                             const ring_slot<stages>& at) {
+    mbarrier_wait(&bars.full[at.stage], at.phase);
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+    const unsigned char* stage_ptr = ring + at.stage * stage_bytes;
+    return {reinterpret_cast<const float*>(stage_ptr + a_scale_offset),
+            reinterpret_cast<const float*>(stage_ptr + b_scale_offset)};
   }
 
   // One B block's four m64n128k32 over a K tile (descriptors da, db of its A rows and B block)
@@ -501,13 +511,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     float sums_a[64], sums_b[64], f_a[2][2], f_b[2][2];
     // Waits for the stage of K tile `at`, reads its scale factors and starts its wgmma into `sums`.
     const auto issue = [&](const ring_slot<stages>& at, float(&sums)[64], float(&f)[2][2]) {
-      mbarrier_wait(&bars.full[at.stage], at.phase);
-      // The A rows and scales came by cp.async (generic proxy); wgmma reads through the async proxy.
-      cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
-      const unsigned char* stage_ptr = ring + at.stage * stage_bytes;
-      const float* a_scales = reinterpret_cast<const float*>(stage_ptr + a_scale_offset);
-      const float* b_scales = reinterpret_cast<const float*>(stage_ptr + b_scale_offset);
-      promotion_factors(b_scales, block, per_channel, a_scales[r0], a_scales[r0 + 8], f);
+      const stage_scales sc = await_stage(bars, ring, at);
+      promotion_factors(sc.b, block, per_channel, sc.a[r0], sc.a[r0 + 8], f);
       const std::uint64_t stage_off = static_cast<std::uint64_t>(at.stage) * stage_desc;
       const std::uint64_t a = da + stage_off, b = db + stage_off;
       wgmma_fence();
