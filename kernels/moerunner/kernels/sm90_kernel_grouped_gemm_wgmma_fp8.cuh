@@ -439,12 +439,13 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       if (group == 0) named_barrier_sync(turn_barrier);
   }
 
-  // Waits until K tile `at`'s stage is full and orders its A rows and scales, which came by
-  // cp.async (generic proxy), before the wgmma reads (async proxy); the stage's row and B scales.
+  // A stage's scales in shared memory: its A rows' and its B blocks'.
   struct stage_scales {
     const float* a;
     const float* b;
   };
+  // Waits until K tile `at`'s stage is full and orders its A rows and scales, which came by
+  // cp.async (generic proxy), before the wgmma reads them (async proxy).
   __device__ __forceinline__ static stage_scales await_stage(barriers& bars, const unsigned char* ring,
                                                              const ring_slot<stages>& at) {
     mbarrier_wait(&bars.full[at.stage], at.phase);
