@@ -21,8 +21,9 @@
 #   --steps LIST       any of build,test,sanitize,bench,torch,peer,ep,python,plot,profile (default: all
 #                      but ep, python and profile; later steps reuse the build)
 #   --archs LIST       gpu_archs for Meson (default: 90a; e.g. 80,90a)
-#   --cuda-args ARGS   Meson's cuda_args for this build (default none), e.g.
-#                      "-DMOERUNNER_BARRIER_WATCHDOG" (a stalled mbarrier wait prints where and traps)
+#   --cuda-args ARGS   Meson's cuda_args for this build (default none; -split-compile=0 is added
+#                      where nvcc has it), e.g. "-DMOERUNNER_BARRIER_WATCHDOG" (a stalled mbarrier
+#                      wait prints where and traps)
 #   --jobs N           parallel compile jobs (default: all cores)
 #   --budget SECONDS   wall-clock budget for the whole run (default 570); each step gets what is left
 #   --bench-args ARGS  extra arguments for moe_bench and torch_grouped_mm.py filters (--shapes/--tokens)
@@ -253,6 +254,15 @@ if has_step build; then
   fi
   # Meson's boost finder reads boost_root from a machine file; the path must be absolute here.
   printf "[properties]\nboost_root = '%s'\n" "$deps" > "$deps/native.ini"
+  # Each nvcc optimizes its device code on every core (nvcc 12.1+; the same SASS): the benchmark,
+  # one translation unit with every backend's kernels, otherwise spends ~230 s in cicc and ptxas
+  # on one thread, most of a fresh machine's build. (Not in meson.build: where every core has a
+  # translation unit of its own, as in a full build on few cores, it gains nothing.) Through
+  # cuda_args, so that baseline trees of any commit build the same way.
+  nvcc_release=$(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
+  if [[ -n "$nvcc_release" ]] && (( ${nvcc_release% *} * 100 + ${nvcc_release#* } >= 1201 )); then
+    cuda_args="-split-compile=0${cuda_args:+ $cuda_args}"
+  fi
   setup_args=(--native-file "$deps/native.ini" "-Dboost_include=.deps/include" "-Dpkg_config_path=$deps/lib/pkgconfig" "-Dcmake_prefix_path=$deps"
               "-Dgpu_archs=$archs" -Dbuildtype=release -Dtests=enabled "-Dcuda_args=$cuda_args")
   # Meson does not always track the headers a CUDA object includes: when any header changed
