@@ -256,9 +256,8 @@ if has_step build; then
   printf "[properties]\nboost_root = '%s'\n" "$deps" > "$deps/native.ini"
   # Each nvcc optimizes its device code on every core (nvcc 12.1+; the same SASS): the benchmark,
   # one translation unit with every backend's kernels, otherwise spends ~230 s in cicc and ptxas
-  # on one thread, most of a fresh machine's build. (Not in meson.build: where every core has a
-  # translation unit of its own, as in a full build on few cores, it gains nothing.) Through
-  # cuda_args, so that baseline trees of any commit build the same way.
+  # on one thread, most of a fresh machine's build. Through cuda_args rather than meson.build,
+  # so that baseline trees of any commit build the same way.
   nvcc_release=$(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
   if [[ -n "$nvcc_release" ]] && (( ${nvcc_release% *} * 100 + ${nvcc_release#* } >= 1201 )); then
     cuda_args="-split-compile=0${cuda_args:+ $cuda_args}"
