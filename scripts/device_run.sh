@@ -238,7 +238,8 @@ commit=${MOE_COMMIT:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo
 if [[ "$commit" != unknown && -z "${MOE_COMMIT:-}" && -n "$(git -C "$root" status --porcelain --untracked-files=no 2>/dev/null)" ]]; then
   commit="$commit-dirty"
 fi
-note "nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), meson $("${meson[@]}" --version), commit $commit"
+nvcc_release=$(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')  # e.g. 12.8
+note "nvcc $nvcc_release, meson $("${meson[@]}" --version), commit $commit"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$logs/gpu.txt" 2>&1 || true
 
 # ---------------------------------------------------------------- build
@@ -258,8 +259,8 @@ if has_step build; then
   # one translation unit with every backend's kernels, otherwise spends ~230 s in cicc and ptxas
   # on one thread, most of a fresh machine's build. Through cuda_args rather than meson.build,
   # so that baseline trees of any commit build the same way.
-  nvcc_release=$(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
-  if [[ -n "$nvcc_release" ]] && (( ${nvcc_release% *} * 100 + ${nvcc_release#* } >= 1201 )); then
+  nvcc_minor=${nvcc_release#*.}
+  if [[ "$nvcc_release" == *.* ]] && (( ${nvcc_release%%.*} * 100 + ${nvcc_minor%%.*} >= 1201 )); then
     cuda_args="-split-compile=0${cuda_args:+ $cuda_args}"
   fi
   setup_args=(--native-file "$deps/native.ini" "-Dboost_include=.deps/include" "-Dpkg_config_path=$deps/lib/pkgconfig" "-Dcmake_prefix_path=$deps"
