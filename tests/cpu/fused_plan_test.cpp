@@ -153,23 +153,36 @@ TEST_CASE("deterministic decode on the wgmma tiles splits GEMM2's K into f32 par
   check_layout(q, inv);
 }
 
-TEST_CASE("batch-invariant runs stay on the wgmma kernels at every M, with GEMM2 rows summed in slot order") {
+TEST_CASE("batch-invariant runs keep the wgmma K order at every M, with GEMM2 rows summed in slot order") {
   for (const moe_config_params base : {mixtral(), qwen3()}) {
     moe_config_params inv = base;
     inv.batch_invariant = true;
     for (std::int64_t m : {1, 2, 7, 8, 64, 512, 4096, 16384}) {
       CAPTURE(m);
       const g::fused_plan p = plan_of(inv, m);
-      CHECK(p.family == g::gemm_family::wgmma);
+      const g::fused_plan d = plan_of(base, m);
+      // Where the default streams weights with K split over warps, the stream GEMM with K in
+      // order; elsewhere the default's wgmma tile.
+      if (d.family == g::gemm_family::stream) {
+        CHECK(p.family == g::gemm_family::stream);
+        CHECK(p.tile == g::sm90_tile::stream_ordered);
+        CHECK(p.schedule_block_m == 8);
+        CHECK(p.describe().find("stream ordered") != std::string::npos);
+      } else {
+        CHECK(p.family == g::gemm_family::wgmma);
+        CHECK(d.tile == p.tile);
+        CHECK_FALSE(p.schedule_in_gemms);
+      }
       CHECK(p.tile != g::sm90_tile::stream);
       CHECK(p.down_k_splits == 1);
       CHECK(p.down == g::down_store::rows);
-      CHECK_FALSE(p.schedule_in_gemms);
-      // The default at the same M may take the stream GEMMs; it never changes the tile rule above.
-      const g::fused_plan d = plan_of(base, m);
-      if (d.family == g::gemm_family::wgmma) CHECK(d.tile == p.tile);
     }
   }
+  // Qwen3-30B-A3B at one token: 8 rows over 8 experts, the stream GEMM's decode.
+  moe_config_params q = qwen3();
+  q.batch_invariant = true;
+  CHECK(plan_of(q, 1).tile == g::sm90_tile::stream_ordered);
+  CHECK(plan_of(q, 512).family == g::gemm_family::wgmma);
   // no_combine stores each row to its slot: batch-invariant without a combine kernel.
   moe_config_params nc = qwen3();
   nc.batch_invariant = true;
@@ -201,22 +214,25 @@ TEST_CASE("GEMM2 splits K only where its items come in at most two waves") {
 }
 
 TEST_CASE("GEMM2 on 64 x 128 tiles where its unsplit items would fill at most half the SMs") {
-  // Batch-invariant Mixtral-8x7B at one token: GEMM1's 224 items take 64 x 256 tiles, GEMM2's
-  // would be 32 (2 experts x 16 N tiles) and may not split: 64 x 128 doubles them.
-  moe_config_params inv = mixtral();
+  // Batch-invariant, 64 tokens over 8 experts (k = 2, H = 512, I = 4352): 16 rows per expert
+  // take 64-row tiles; GEMM1's 8 x 34 items take 64 x 256, GEMM2's would be 20 (at most 10 M
+  // tiles x 2 N tiles) and may not split: 64 x 128 doubles them.
+  moe_config_params inv{.num_experts = 8, .hidden_size = 512, .intermediate_size = 4352, .top_k = 2};
   inv.batch_invariant = true;
-  const g::fused_plan one = plan_of(inv, 1);
-  CHECK(one.tile == g::sm90_tile::m64);
-  CHECK(one.down_tile == g::sm90_tile::m64n128);
-  CHECK(one.down_k_splits == 1);
-  CHECK(one.describe().find("GEMM2 on m64n128") != std::string::npos);
-  check_layout(one, inv);
-  // Eight tokens reach every expert: 8 x 16 = 128 items, nearly a wave already.
-  CHECK(plan_of(inv, 8).down_tile == g::sm90_tile::m64);
-  // The default run at 64 tokens splits K instead; a forced tuning keeps its tile for both GEMMs.
-  CHECK(plan_of(mixtral(), 64).down_tile == g::sm90_tile::m64);
-  CHECK(plan_of(inv, 1, h200, with_tuning(g::gemm_tuning_choice::sm90_wgmma_m64)).down_tile == g::sm90_tile::m64);
-  // Of the benchmark's cells only that one changes: every other plan runs GEMM2 on GEMM1's tile.
+  const g::fused_plan p64 = plan_of(inv, 64);
+  CHECK(p64.tile == g::sm90_tile::m64);
+  CHECK(p64.down_tile == g::sm90_tile::m64n128);
+  CHECK(p64.down_k_splits == 1);
+  CHECK(p64.describe().find("GEMM2 on m64n128") != std::string::npos);
+  check_layout(p64, inv);
+  // The default run there splits K instead; a forced tuning keeps its tile for both GEMMs.
+  moe_config_params def = inv;
+  def.batch_invariant = false;
+  CHECK(plan_of(def, 64).down_k_splits > 1);
+  CHECK(plan_of(def, 64).down_tile == g::sm90_tile::m64);
+  CHECK(plan_of(inv, 64, h200, with_tuning(g::gemm_tuning_choice::sm90_wgmma_m64)).down_tile == g::sm90_tile::m64);
+  // No benchmark cell takes it: batch-invariant decode runs the stream GEMM with K in order, and
+  // from 64-row tiles on GEMM2's items are many or split.
   for (const moe_config_params& base : {mixtral(), qwen3(), deepseek()})
     for (int mode = 0; mode < 3; ++mode) {
       moe_config_params c = base;
@@ -225,9 +241,7 @@ TEST_CASE("GEMM2 on 64 x 128 tiles where its unsplit items would fill at most ha
       for (std::int64_t m : {1, 8, 64, 512, 4096, 16384}) {
         CAPTURE(m);
         CAPTURE(mode);
-        const g::fused_plan p = plan_of(c, m);
-        const bool changed = c.batch_invariant && c.num_experts == 8 && m == 1;
-        CHECK((p.down_tile != p.tile) == changed);
+        CHECK(plan_of(c, m).down_tile == plan_of(c, m).tile);
       }
     }
 }
@@ -644,9 +658,10 @@ TEST_CASE("grid: every bf16 plan is laid out, sized within its bounds, batch-inv
         CHECK(p.workspace.total <= slots * static_cast<std::size_t>(s.i) * 2 + 64 * slots +
                                        64 * static_cast<std::size_t>(s.e) + 4096);
       if (mode == grid_mode::batch_invariant && m > 0 && dev.has_wgmma) {
-        // One kernel family and K order at every M: wgmma tiles, no K split, rows summed
-        // per token in slot order.
-        CHECK(p.family == g::gemm_family::wgmma);
+        // One K order at every M: wgmma tiles or the stream GEMM with K in order, no K split,
+        // rows summed per token in slot order.
+        CHECK((p.family == g::gemm_family::wgmma || p.tile == g::sm90_tile::stream_ordered));
+        CHECK(p.tile != g::sm90_tile::stream);
         CHECK(p.down_k_splits == 1);
         CHECK(p.down == g::down_store::rows);
         CHECK(p.combine_kernel);

@@ -52,6 +52,14 @@ TEST_CASE("sm_90a tiles by rows per active expert: stream GEMMs at decode, pairs
   // 64 x 128 where GEMM1's 64 x 256 items fill at most half the SMs: 2 experts x 6 N tiles.
   CHECK(g::sm90_tile_for(32, 2, 768, sms) == g::sm90_tile::m64n128);
   CHECK(g::sm90_tile_for(32, 2, 14336, sms) == g::sm90_tile::m64);
+  // One K order (batch-invariant): the stream GEMM with K in order where the other would run,
+  // the same wgmma tiles elsewhere.
+  for (const bench_shape& s : {mixtral, deepseek, qwen3})
+    for (const std::int64_t tokens : {1, 8, 16, 17, 64, 512, 4096}) {
+      CAPTURE(tokens);
+      const g::sm90_tile any = tile_at(s, tokens), ordered = g::sm90_tile_for(tokens * s.k, s.e, s.i, sms, false);
+      CHECK(ordered == (any == g::sm90_tile::stream ? g::sm90_tile::stream_ordered : any));
+    }
 }
 
 TEST_CASE("a cluster's CTAs share one schedule tile of cluster_m x block_m rows") {
@@ -77,6 +85,13 @@ TEST_CASE("the stream GEMMs: 8-row schedule tiles, any sm_80+ code, not a wgmma 
   CHECK_FALSE(g::is_wgmma_choice(g::gemm_tuning_choice::stream));
   CHECK(g::gemm_tuning_name(g::gemm_tuning_choice::stream) == "stream");
   CHECK(g::gemm_tuning_min_arch(g::gemm_tuning_choice::stream) == 80);
+  // Its form with K in order: one warp per CTA walks all of K.
+  CHECK(g::sm90_schedule_block_m(g::sm90_tile::stream_ordered) == 8);
+  CHECK(g::sm90_cluster_m(g::sm90_tile::stream_ordered) == 1);
+  static_assert(g::stream_gemm_ordered_policy::tuning.warps == 1);
+  CHECK_FALSE(g::is_wgmma_choice(g::gemm_tuning_choice::stream_ordered));
+  CHECK(g::gemm_tuning_name(g::gemm_tuning_choice::stream_ordered) == "stream_ordered");
+  CHECK(g::gemm_tuning_min_arch(g::gemm_tuning_choice::stream_ordered) == 80);
   // Three CTAs of 4 warps with 3 stages of 32 weight rows and 8 token rows fit an SM.
   static_assert(g::stream_gemm_policy::tuning.smem_bytes() == 4 * 3 * 40 * 128);
 }

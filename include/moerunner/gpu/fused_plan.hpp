@@ -49,6 +49,7 @@ constexpr std::string_view sm90_tile_name(sm90_tile t) {
     case sm90_tile::m64n128: return "m64n128";
     case sm90_tile::m128: return "m128";
     case sm90_tile::m128x2: return "m128x2";
+    case sm90_tile::stream_ordered: return "ordered";
   }
   return "?";
 }
@@ -205,9 +206,9 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
                  : settings.tuning;
   const std::int64_t slots = num_tokens * cfg.top_k();
   const bool invariant = cfg.batch_invariant();
-  if (p.choice == gemm_tuning_choice::stream) {
+  if (p.choice == gemm_tuning_choice::stream || p.choice == gemm_tuning_choice::stream_ordered) {
     p.family = gemm_family::stream;
-    p.tile = sm90_tile::stream;
+    p.tile = p.choice == gemm_tuning_choice::stream ? sm90_tile::stream : sm90_tile::stream_ordered;
   } else if (is_wgmma_choice(p.choice)) {
     switch (p.choice) {
       case gemm_tuning_choice::sm90_wgmma_m64: p.tile = sm90_tile::m64; break;
@@ -215,11 +216,12 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
       case gemm_tuning_choice::sm90_wgmma_m128: p.tile = sm90_tile::m128; break;
       case gemm_tuning_choice::sm90_wgmma_m128x2: p.tile = sm90_tile::m128x2; break;
       default:
-        // Batch-invariant: the wgmma tiles at every M (their K order is the same whatever the
-        // tile), never the stream GEMMs, whose warps split K.
+        // Batch-invariant: kernels whose K order is the same whatever the tile, the wgmma tiles
+        // and the stream GEMM with K in order, never the stream GEMM whose warps split K.
         p.tile = sm90_tile_for(slots, cfg.num_local_experts(), cfg.intermediate_size(), dev.sm_count, !invariant);
     }
-    p.family = p.tile == sm90_tile::stream ? gemm_family::stream : gemm_family::wgmma;
+    const bool stream = p.tile == sm90_tile::stream || p.tile == sm90_tile::stream_ordered;
+    p.family = stream ? gemm_family::stream : gemm_family::wgmma;
   } else {
     p.family = gemm_family::mma;
   }

@@ -224,6 +224,17 @@ struct stream_gemm_policy {
       .block_m = 8, .block_n = 32, .warps = 4, .stages = 3, .min_arch = 80, .raster_band = 8};
 };
 static_assert(check_stream_gemm_tuning(stream_gemm_policy::tuning));
+// The same GEMM with K in order: one warp per CTA walks all of K, so each output is one chain of
+// k16 tensor-core sums from K = 0 up, the order of the wgmma kernels' chains (a split over warps
+// adds its parts in another). Batch-invariant runs take it at decode, where the wgmma tiles
+// stream weights through too few CTAs. Eight stages (seven K tiles, 35 KB, in flight per warp)
+// and five CTAs per SM keep about as many bytes in flight per SM as stream_gemm_policy's twelve
+// warps.
+struct stream_gemm_ordered_policy {
+  static constexpr stream_gemm_tuning tuning{
+      .block_m = 8, .block_n = 32, .warps = 1, .stages = 8, .min_arch = 80, .raster_band = 8};
+};
+static_assert(check_stream_gemm_tuning(stream_gemm_ordered_policy::tuning));
 // The same rings over e4m3 operands (cuda_fused_fp8 at decode): 128-byte stage rows hold 128
 // values, so the stages are the 16-bit tuning's in bytes; e4m3 mma.sync needs sm_89+ (sm_90 here).
 struct stream_gemm_fp8_policy {
@@ -246,7 +257,7 @@ inline constexpr int moe_gemm_min_block_m = stream_gemm_policy::tuning.block_m;
 // when GEMM1's items (at most one M tile per active expert, I/128 N tiles) fill at most half
 // the SMs (round 3: 7% faster at 48 items, 7% slower at 128). A function of the shape only,
 // so that the workspace query and the run agree.
-enum class sm90_tile : std::uint8_t { stream, m64, m64n128, m128, m128x2 };
+enum class sm90_tile : std::uint8_t { stream, m64, m64n128, m128, m128x2, stream_ordered };
 
 // Measured on an H200 (bench/NOTES.md, round 6): the stream GEMMs lead the 64-row wgmma tiles by
 // 5-30% at 1-2 rows per active expert (M <= 8 on the three benchmark shapes) and by 7% at 4
@@ -254,14 +265,15 @@ enum class sm90_tile : std::uint8_t { stream, m64, m64n128, m128, m128x2 };
 // trail by 1.6x at 16 (Mixtral-8x7B, 64 tokens).
 inline constexpr int stream_max_rows_per_expert = 4;
 
-// `allow_stream` false keeps every M on the wgmma kernels (batch-invariant runs: one kernel
-// family, hence one K order, whatever the batch).
+// `any_k_order` false (batch-invariant runs) keeps every output's K order that of the wgmma
+// chains whatever the batch: decode takes the stream GEMM with K in order, never the one whose
+// warps split K.
 constexpr sm90_tile sm90_tile_for(std::int64_t rows, int num_experts, int intermediate_size, int sm_count,
-                                  bool allow_stream = true) {
+                                  bool any_k_order = true) {
   const std::int64_t active = rows < num_experts ? rows : num_experts;
   if (active > 0 && rows >= 512 * active) return sm90_tile::m128x2;
   if (rows > 64 * active) return sm90_tile::m128;
-  if (allow_stream && rows <= stream_max_rows_per_expert * active) return sm90_tile::stream;
+  if (rows <= stream_max_rows_per_expert * active) return any_k_order ? sm90_tile::stream : sm90_tile::stream_ordered;
   const std::int64_t gemm1_items = active * ((intermediate_size + 127) / 128);
   return 2 * gemm1_items <= sm_count ? sm90_tile::m64n128 : sm90_tile::m64;
 }
@@ -270,6 +282,7 @@ constexpr sm90_tile sm90_tile_for(std::int64_t rows, int num_experts, int interm
 constexpr int sm90_schedule_block_m(sm90_tile t) {
   switch (t) {
     case sm90_tile::stream: return stream_gemm_policy::tuning.schedule_block_m();
+    case sm90_tile::stream_ordered: return stream_gemm_ordered_policy::tuning.schedule_block_m();
     case sm90_tile::m128: return sm90_wgmma_gemm_policy::tuning.schedule_block_m();
     case sm90_tile::m128x2: return sm90_wgmma_m128x2_gemm_policy::tuning.schedule_block_m();
     default: return sm90_wgmma_m64_gemm_policy::tuning.schedule_block_m();
@@ -289,7 +302,8 @@ constexpr int sm90_block_n(sm90_tile t) {
 
 // Which tuning a run uses: the selector's choice for the device, or one forced (tests, benchmarks).
 // sm90_wgmma picks its tile by shape (sm90_tile_for); the _m64, _m64n128, _m128 and _m128x2
-// forms force one, and stream forces the stream GEMM (which sm_80 code runs too).
+// forms force one, stream forces the stream GEMM (which sm_80 code runs too) and stream_ordered
+// its form with K in order.
 enum class gemm_tuning_choice : std::uint8_t {
   automatic,
   sm80,
@@ -299,7 +313,8 @@ enum class gemm_tuning_choice : std::uint8_t {
   sm90_wgmma_m64n128,
   sm90_wgmma_m128,
   sm90_wgmma_m128x2,
-  stream
+  stream,
+  stream_ordered
 };
 
 constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
@@ -313,6 +328,7 @@ constexpr std::string_view gemm_tuning_name(gemm_tuning_choice c) {
     case gemm_tuning_choice::sm90_wgmma_m128: return "sm90_wgmma_m128";
     case gemm_tuning_choice::sm90_wgmma_m128x2: return "sm90_wgmma_m128x2";
     case gemm_tuning_choice::stream: return "stream";
+    case gemm_tuning_choice::stream_ordered: return "stream_ordered";
   }
   return "?";
 }
@@ -336,6 +352,7 @@ constexpr bool is_wgmma_choice(gemm_tuning_choice c) {
 constexpr int gemm_tuning_min_arch(gemm_tuning_choice c) {
   if (is_wgmma_choice(c)) return sm90_wgmma_gemm_policy::tuning.min_arch;
   if (c == gemm_tuning_choice::stream) return stream_gemm_policy::tuning.min_arch;
+  if (c == gemm_tuning_choice::stream_ordered) return stream_gemm_ordered_policy::tuning.min_arch;
   return c == gemm_tuning_choice::sm90 ? sm90_gemm_policy::tuning.min_arch : sm80_gemm_policy::tuning.min_arch;
 }
 

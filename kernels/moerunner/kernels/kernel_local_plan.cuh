@@ -33,28 +33,26 @@ struct local_plan {
   std::int32_t tile_count;
 };
 
-// Every thread of the block calls it (THREADS >= slots); `ids` is read through L2 (written by an
-// earlier kernel). Ends with a barrier: the plan is then visible to the whole block.
-// `error_flag`, `status` and `slot_to_row` (global, or null) are written by the calling block;
-// `status` only with `error_flag`.
+// Every thread of the block calls it; thread t takes slots t, t + THREADS, ... (one each where
+// THREADS >= slots). `ids` is read through L2 (written by an earlier kernel). Ends with a
+// barrier: the plan is then visible to the whole block. `error_flag`, `status` and
+// `slot_to_row` (global, or null) are written by the calling block; `status` only with
+// `error_flag`.
 template <int THREADS>
 __device__ __forceinline__ void build_local_plan(const std::int32_t* ids, int slots, int num_experts, int block_m,
                                                  local_plan& s, std::int32_t* error_flag, moe_status* status,
                                                  std::int32_t* slot_to_row) {
-  static_assert(THREADS >= local_plan_max_slots, "one thread per slot");
-  const int t = static_cast<int>(threadIdx.x);
-  int e = -1;
+  const int first_slot = static_cast<int>(threadIdx.x);
   bool bad = false;
-  if (t < slots) {
+  for (int t = first_slot; t < slots; t += THREADS) {
     const int id = __ldcg(ids + t);
-    if (id >= 0 && id < num_experts) e = id;
-    else bad = id != -1;
-    s.expert[t] = e;
+    s.expert[t] = id >= 0 && id < num_experts ? id : -1;
+    bad = bad || bad_expert_id(id, num_experts);
   }
   if (error_flag != nullptr) {
     const int any_bad = __syncthreads_or(bad ? 1 : 0);
-    if (t == 0) *error_flag = any_bad != 0 ? 1 : 0;
-    if (t == 0 && any_bad != 0 && status != nullptr) {  // at most local_plan_max_slots ids to reread
+    if (first_slot == 0) *error_flag = any_bad != 0 ? 1 : 0;
+    if (first_slot == 0 && any_bad != 0 && status != nullptr) {  // at most local_plan_max_slots ids to reread
       int count = 0, first = 0;
       for (int slot = 0; slot < slots; ++slot)
         if (bad_expert_id(__ldcg(ids + slot), num_experts)) {
@@ -67,27 +65,32 @@ __device__ __forceinline__ void build_local_plan(const std::int32_t* ids, int sl
     __syncthreads();
   }
 
-  // The slot's row and its expert's rows (routing/plan_rules.hpp, as the host test checks them).
-  routing::slot_place at;
-  if (e >= 0) {
-    at = routing::place_of_slot(s.expert, slots, t);
-    s.row_to_slot[at.before + at.rank] = t;
+  // Each slot's row and its expert's rows (routing/plan_rules.hpp, as the host test checks them).
+  for (int t = first_slot; t < slots; t += THREADS) {
+    const int e = s.expert[t];
+    routing::slot_place at;
+    if (e >= 0) {
+      at = routing::place_of_slot(s.expert, slots, t);
+      s.row_to_slot[at.before + at.rank] = t;
+    }
+    if (slot_to_row != nullptr) slot_to_row[t] = e >= 0 ? at.before + at.rank : -1;
+    s.count[t] = e >= 0 && at.rank == 0 ? at.count : 0;
   }
-  if (slot_to_row != nullptr && t < slots) slot_to_row[t] = e >= 0 ? at.before + at.rank : -1;
-  const bool first = e >= 0 && at.rank == 0;
-  if (t < slots) s.count[t] = first ? at.count : 0;
   __syncthreads();
 
-  // The expert's first slot writes its tiles after those of the smaller experts.
-  if (first) {
+  // An expert's first slot writes its tiles after those of the smaller experts.
+  for (int t = first_slot; t < slots; t += THREADS) {
+    const int e = s.expert[t], count = s.count[t];
+    if (count == 0) continue;  // not an expert's first slot (every expert there has a row)
+    const routing::slot_place at = routing::place_of_slot(s.expert, slots, t);
     const int first_tile = routing::first_tile_of(s.expert, s.count, slots, e, block_m);
-    for (int i = 0; i < routing::m_tiles_for(at.count, block_m); ++i) {
+    for (int i = 0; i < routing::m_tiles_for(count, block_m); ++i) {
       int begin = 0, end = 0;
       routing::expert_tile_rows(at, i, block_m, begin, end);
       s.tiles[first_tile + i] = gpu::moe_m_tile{e, begin, end, 0};
     }
   }
-  if (t == 0) s.tile_count = routing::tiles_total(s.count, slots, block_m);
+  if (first_slot == 0) s.tile_count = routing::tiles_total(s.count, slots, block_m);
   __syncthreads();
 }
 

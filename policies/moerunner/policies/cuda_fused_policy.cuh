@@ -40,8 +40,10 @@
 // weight tile by TMA multicast where they average 512 or more, single 128-row tiles between;
 // and with 64 x 128 tiles (one consumer warpgroup, eight stages) where GEMM1's 64 x 256 items
 // would leave SMs idle (gpu::sm90_tile_for). set_gemm_tuning forces one (tests, benchmarks).
-// batch_invariant keeps every M on the wgmma kernels (whose K order does not depend on the
-// tile) with no K split, GEMM2 writing rows that combine sums in slot order.
+// batch_invariant keeps every output's K order that of the wgmma kernels' chains (which does not
+// depend on the tile) at every M: the wgmma tiles with no K split, and at decode the stream GEMM
+// with K in order (one warp per CTA, gpu::stream_gemm_ordered_policy); GEMM2 writes rows that
+// combine sums in slot order.
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype); the optional
@@ -231,7 +233,11 @@ class cuda_fused_policy {
     const bool bf16 = type == dtype::bf16;
     const cudaStream_t s = stream_ref.get();
     switch (pl.family) {
-      case gpu::gemm_family::stream: run_pipeline<gpu::stream_gemm_policy>(bf16, d, q, out, ws, pl, dev, s); break;
+      case gpu::gemm_family::stream:
+        if (pl.tile == gpu::sm90_tile::stream_ordered)
+          run_pipeline<gpu::stream_gemm_ordered_policy>(bf16, d, q, out, ws, pl, dev, s);
+        else run_pipeline<gpu::stream_gemm_policy>(bf16, d, q, out, ws, pl, dev, s);
+        break;
       case gpu::gemm_family::wgmma:
         switch (pl.tile) {
           case gpu::sm90_tile::m64:
