@@ -51,8 +51,21 @@ void check_layout(const g::fused_plan& p, const moe_config_params& c) {
   CHECK(w.act == w.schedule + w.schedule_bytes);
   CHECK(w.rows == w.act + w.act_bytes);
   CHECK(w.gathered == w.rows + w.rows_bytes);
-  CHECK(w.total == w.gathered + w.gathered_bytes + g::plan_piece_alignment);
-  for (std::size_t off : {w.schedule, w.act, w.rows, w.gathered}) CHECK(off % g::plan_piece_alignment == 0);
+  CHECK(w.strips == w.gathered + w.gathered_bytes);
+  CHECK(w.total == w.strips + w.strips_bytes + g::plan_piece_alignment);
+  for (std::size_t off : {w.schedule, w.act, w.rows, w.gathered, w.strips}) CHECK(off % g::plan_piece_alignment == 0);
+  // A count per 32 output columns of GEMM2 where it combines its rows, none elsewhere.
+  CHECK(w.strips_bytes == (p.combine_in_gemm2 ? g::plan_piece_bytes((c.hidden_size + 31) / 32 * 4) : 0));
+  // Rows are summed once: by GEMM2's last CTAs (the stream GEMMs building the schedule), by a
+  // kernel, or not at all.
+  CHECK_FALSE((p.combine_in_gemm2 && p.combine_kernel));
+  if (p.combine_in_gemm2) {
+    CHECK(p.family == g::gemm_family::stream);
+    CHECK(p.schedule_in_gemms);
+    CHECK(p.down == g::down_store::rows);
+    CHECK_FALSE(p.clear_in_gemm1);
+    CHECK_FALSE(p.memset_between);
+  }
   // x's rows gathered for GEMM1's TMA loads with the 128-row wgmma tiles only (prefill), where I
   // is long enough for the copy to be cheap.
   const bool large =
@@ -111,6 +124,39 @@ TEST_CASE("default runs: stream GEMMs with the schedule built in them at decode,
   CHECK(plan_of(qwen3(), 4096, h200, with_gather(true)).gather_a);
   CHECK(line.find("M=4096") != std::string::npos);
   CHECK(line.find(std::to_string(big.workspace.total)) != std::string::npos);
+}
+
+TEST_CASE("deterministic decode: GEMM2's last CTA of each N tile sums the rows where the GEMMs build the schedule") {
+  for (const bool invariant : {false, true}) {
+    CAPTURE(invariant);
+    moe_config_params c = qwen3();
+    c.deterministic = true;
+    c.batch_invariant = invariant;
+    const g::fused_plan one = plan_of(c, 1);  // 8 slots
+    CHECK(one.family == g::gemm_family::stream);
+    CHECK(one.tile == (invariant ? g::sm90_tile::stream_ordered : g::sm90_tile::stream));
+    CHECK(one.schedule_in_gemms);
+    CHECK(one.down == g::down_store::rows);
+    CHECK(one.combine_in_gemm2);
+    CHECK_FALSE(one.combine_kernel);
+    CHECK(one.workspace.strips_bytes == g::plan_piece_bytes(2048 / 32 * 4));
+    CHECK(one.describe().find("GEMM2 rows + combine in GEMM2") != std::string::npos);
+    check_layout(one, c);
+    // 72 slots: the plan kernel orders the rows, and the combine kernel sums them.
+    const g::fused_plan nine = plan_of(c, 9);
+    CHECK(nine.family == g::gemm_family::stream);
+    CHECK_FALSE(nine.combine_in_gemm2);
+    CHECK(nine.combine_kernel);
+    // So does a runner told to build the schedule in a plan kernel.
+    g::fused_settings plan_kernel;
+    plan_kernel.plan_in_gemms = false;
+    CHECK_FALSE(plan_of(c, 1, h200, plan_kernel).combine_in_gemm2);
+    CHECK(plan_of(c, 1, h200, plan_kernel).combine_kernel);
+    // no_combine stores to the slots: nothing to sum.
+    c.no_combine = true;
+    CHECK_FALSE(plan_of(c, 1).combine_in_gemm2);
+    CHECK_FALSE(plan_of(c, 1).combine_kernel);
+  }
 }
 
 TEST_CASE("without deterministic, GEMM2 writes rows for the combine kernel where its K is short and slots many") {
@@ -664,7 +710,7 @@ TEST_CASE("grid: every bf16 plan is laid out, sized within its bounds, batch-inv
         CHECK(p.tile != g::sm90_tile::stream);
         CHECK(p.down_k_splits == 1);
         CHECK(p.down == g::down_store::rows);
-        CHECK(p.combine_kernel);
+        CHECK((p.combine_kernel || p.combine_in_gemm2));
         if (!first) first = p;
         CHECK(p.choice == first->choice);
       }

@@ -291,8 +291,9 @@ TEST_CASE("cuda_fused matches the reference: the decode schedule built in the GE
 
 TEST_CASE("cuda_fused deterministic at decode: the same bits with the schedule in the GEMMs or the plan kernel") {
   // Up to 64 slots the stream GEMMs (forced here, whatever the rows per expert) order the rows
-  // themselves and GEMM1 writes the slot_to_row the combine kernel reads; the plan kernel
-  // orders them the same way, so the bits must agree.
+  // themselves, GEMM1 writes slot_to_row, and GEMM2's last CTA of each N tile sums the rows in
+  // slot order; with the plan kernel, the combine kernel sums them. Same order, same
+  // arithmetic: the bits must agree, for both forms of the stream GEMM.
   const unsigned seed = mr::test::test_seed();
   CAPTURE(seed);
   std::mt19937 rng(seed);
@@ -306,19 +307,21 @@ TEST_CASE("cuda_fused deterministic at decode: the same bits with the schedule i
       {{4, 8, 2, odd_h, odd_i}, {.scaling = 2.5f}},
   };
   for (const auto& [sh, opt] : cases)
-    for (mr::dtype t : both_types) {
-      const problem p(sh, t, opt, rng);
-      CAPTURE(describe(sh, t, opt, tuning::stream, true));
-      on_device kernel(p, tuning::stream, true, 0, {.plan_in_gemms = false});
-      const host_tensor want = kernel.run_once(p);
-      compare(p, want);
-      on_device own(p, tuning::stream, true, 0, {.plan_in_gemms = true});
-      MOE_CUDA_CHECK(cudaMemset(own.ws_buf.get(), 0xff, own.ws_buf.bytes()));  // stale scratch must not matter
-      const host_tensor got = own.run_once(p);
-      CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);
-      const host_tensor again = own.run_once(p);
-      CHECK(std::memcmp(again.view.data, want.view.data, want.view.bytes()) == 0);
-    }
+    for (mr::dtype t : both_types)
+      for (const tuning tu : {tuning::stream, tuning::stream_ordered}) {
+        const problem p(sh, t, opt, rng);
+        CAPTURE(describe(sh, t, opt, tu, true));
+        on_device kernel(p, tu, true, 0, {.plan_in_gemms = false});
+        const host_tensor want = kernel.run_once(p);
+        compare(p, want);
+        on_device own(p, tu, true, 0, {.plan_in_gemms = true});
+        CHECK(own.runner->describe(sh.m).find("combine in GEMM2") != std::string::npos);
+        MOE_CUDA_CHECK(cudaMemset(own.ws_buf.get(), 0xff, own.ws_buf.bytes()));  // stale scratch must not matter
+        const host_tensor got = own.run_once(p);
+        CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);
+        const host_tensor again = own.run_once(p);
+        CHECK(std::memcmp(again.view.data, want.view.data, want.view.bytes()) == 0);
+      }
 }
 
 TEST_CASE("cuda_fused with the stream GEMMs: L2 prefetch of GEMM2's weights and cache hints change no bit") {

@@ -99,6 +99,7 @@ struct fused_workspace {
   std::size_t act = 0, act_bytes = 0;
   std::size_t rows = 0, rows_bytes = 0;  // GEMM2's rows or f32 K-split parts (combine reads them)
   std::size_t gathered = 0, gathered_bytes = 0;  // gather_a: x's rows in plan order [M*k, H]
+  std::size_t strips = 0, strips_bytes = 0;  // combine_in_gemm2: a count per GEMM2 N tile
   std::size_t total = 0;
 };
 
@@ -113,6 +114,9 @@ struct fused_plan {
   int down_k_splits = 1;             // GEMM2's K ranges over CTAs
   down_store down = down_store::accumulate;
   bool combine_kernel = false;     // a combine kernel sums GEMM2's rows or parts per token afterwards
+  // The stream GEMM2's CTA that stores an N tile's last rows sums them per token instead (the
+  // combine kernel's sums, no launch after GEMM2): where the GEMMs build the schedule (decode).
+  bool combine_in_gemm2 = false;
   bool schedule_in_gemms = false;  // no plan kernel: each CTA orders the rows from topk_ids
   bool dependent_launch = false;   // programmatic dependent launches between the kernels
   bool clear_in_gemm1 = false;     // GEMM1 zeroes the output GEMM2 adds or scatters into
@@ -140,6 +144,7 @@ struct fused_plan {
     s += ", GEMM2 " + std::string(down_store_name(down));
     if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
     if (combine_kernel) s += " + combine kernel";
+    if (combine_in_gemm2) s += " + combine in GEMM2";
     if (memset_between) s += ", output zeroed between the GEMMs";
     s += dependent_launch ? ", dependent launches" : ", plain launches";
     if (gather_a) s += ", A gathered for TMA";
@@ -153,6 +158,13 @@ struct fused_plan {
 };
 
 namespace plan_detail {
+
+// GEMM2's N tiles on the stream GEMMs (32 output columns each), a count each where it combines.
+inline std::size_t combine_strips(int hidden_size) {
+  constexpr int cols = stream_gemm_policy::tuning.block_n;
+  static_assert(stream_gemm_ordered_policy::tuning.block_n == cols);
+  return static_cast<std::size_t>((hidden_size + cols - 1) / cols);
+}
 
 // Without deterministic, the wgmma GEMM2 still writes rows for the combine kernel where its K
 // (I) is short and the slots many: there its epilogue's packed reductions into the output weigh
@@ -173,7 +185,7 @@ inline down_store store_mode(const MoeRunnerConfig& cfg, gemm_family family, std
 }
 
 inline fused_workspace layout(const MoeRunnerConfig& cfg, std::int64_t num_tokens, down_store down, int splits,
-                              bool gather_a) {
+                              bool gather_a, bool combine_in_gemm2) {
   const auto slots = static_cast<std::size_t>(num_tokens) * static_cast<std::size_t>(cfg.top_k());
   const int e = cfg.num_local_experts();
   fused_workspace w;
@@ -189,7 +201,9 @@ inline fused_workspace layout(const MoeRunnerConfig& cfg, std::int64_t num_token
   else if (down == down_store::partials) w.rows_bytes = plan_piece_bytes(static_cast<std::size_t>(splits) * row_elems * 4);
   w.gathered = w.rows + w.rows_bytes;
   if (gather_a) w.gathered_bytes = plan_piece_bytes(row_elems * 2);
-  w.total = w.gathered + w.gathered_bytes + plan_piece_alignment;
+  w.strips = w.gathered + w.gathered_bytes;
+  if (combine_in_gemm2) w.strips_bytes = plan_piece_bytes(combine_strips(cfg.hidden_size()) * sizeof(std::int32_t));
+  w.total = w.strips + w.strips_bytes + plan_piece_alignment;
   return w;
 }
 
@@ -254,17 +268,20 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
     const std::int64_t items = tile_bound * ((cfg.hidden_size() + cols - 1) / cols);
     if (2 * items <= dev.sm_count) p.down_tile = sm90_tile::m64n128;
   }
-  p.combine_kernel = p.down == down_store::rows || p.down == down_store::partials;
   p.schedule_in_gemms = p.family == gemm_family::stream && settings.plan_in_gemms && slots <= local_plan_max_slots;
+  p.combine_in_gemm2 = p.schedule_in_gemms && p.down == down_store::rows;
+  p.combine_kernel = (p.down == down_store::rows || p.down == down_store::partials) && !p.combine_in_gemm2;
   p.dependent_launch = settings.dependent_launch.value_or(p.family == gemm_family::stream);
-  p.clear_in_gemm1 = !p.combine_kernel && !cfg.inplace();
-  p.memset_between = !p.combine_kernel && cfg.inplace();
+  // Rows summed per token (by a kernel or in GEMM2) write every output element: nothing to zero.
+  const bool combines_rows = p.combine_kernel || p.combine_in_gemm2;
+  p.clear_in_gemm1 = !combines_rows && !cfg.inplace();
+  p.memset_between = !combines_rows && cfg.inplace();
   const bool large_tiles = p.family == gemm_family::wgmma && (p.tile == sm90_tile::m128 || p.tile == sm90_tile::m128x2);
   p.gather_a = p.family == gemm_family::wgmma && num_tokens > 0 &&
                settings.gather_a.value_or(large_tiles && cfg.intermediate_size() >= gather_a_min_intermediate);
   p.hand_out = p.family == gemm_family::wgmma && num_tokens > 0 && settings.hand_out.value_or(false) &&
                hand_out_fits(cfg, slots, p.schedule_block_m, p.down_k_splits, dev.sm_count);
-  p.workspace = plan_detail::layout(cfg, num_tokens, p.down, p.down_k_splits, p.gather_a);
+  p.workspace = plan_detail::layout(cfg, num_tokens, p.down, p.down_k_splits, p.gather_a, p.combine_in_gemm2);
   return p;
 }
 

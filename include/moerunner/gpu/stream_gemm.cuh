@@ -115,6 +115,10 @@ void launch_moe_stream_gemm(typename kernels::moe_stream_gemm<T, Policy, Kind, F
   MOE_EXPECT(p.next.b == nullptr || (Kind != kernels::moe_gemm_kind::down && p.next.k > 0 && p.next.k % 8 == 0 &&
                                       p.next.n > 0 && p.next.n_tiles > 0 && p.next.bytes >= 0),
              where, "only GEMM1 asks L2 for the next GEMM's weights, and that GEMM's sizes must be set");
+  MOE_EXPECT(p.combine.strips == nullptr ||
+                 (Kind == kernels::moe_gemm_kind::down && !Fp8 && p.store == kernels::down_store::rows &&
+                  p.combine.out != nullptr && p.combine.slot_to_row != nullptr && p.combine.tokens >= 0),
+             where, "only the 16-bit GEMM2 storing rows combines them, into an output, with the plan's slot_to_row");
   if (schedule.capacity == 0) return;
   const unsigned grid = stream_gemm_grid<T, Policy, Kind, Fp8>(p, schedule, dev);
   launch_dependent(kernels::moe_stream_gemm_kernel<T, Policy, Kind, Fp8>, dim3(grid), dim3(tuning.threads()),

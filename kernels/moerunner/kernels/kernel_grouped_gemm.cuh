@@ -180,6 +180,18 @@ struct moe_gemm_params {
   // producer loads by TMA boxes (the kernel's a_map over them) instead of gathering by cp.async.
   bool a_gathered = false;
   std::int64_t a_rows = 0;  // a_gathered: rows of a (M * top_k)
+  // Stream GEMM2 storing rows: the CTA that stores the last item of an N tile (one count per N
+  // tile in `strips`, zeroed by GEMM1 through `clear`) sums every token's rows over the tile's
+  // columns in slot order into `out`, as combine_rows would (kernel_combine.cuh): no combine
+  // kernel follows. strips null: one does.
+  struct combine_in_gemm {
+    std::int32_t* strips = nullptr;
+    T* out = nullptr;                         // [tokens, n]
+    const std::int32_t* slot_to_row = nullptr;  // the plan's, written before GEMM2 starts
+    const float* weights = nullptr;           // topk_weights [tokens * top_k], or null
+    float scale = 1.0f;
+    int tokens = 0;
+  } combine;
   // wgmma only: the work items are handed out at run time from this counter (0 before the
   // launch, and again after it: sm90_work_items.cuh) instead of in fixed turns; null: fixed.
   std::int32_t* item_counter = nullptr;

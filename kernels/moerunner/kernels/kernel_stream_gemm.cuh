@@ -32,6 +32,7 @@
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/kernels/activation_math.cuh"
+#include "moerunner/kernels/kernel_combine.cuh"
 #include "moerunner/kernels/kernel_fp8_gemm_params.cuh"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
 #include "moerunner/kernels/kernel_local_plan.cuh"
@@ -436,10 +437,56 @@ struct moe_stream_gemm {
                 acc[m][b][q];
       __syncthreads();
       if (threadIdx.x < out_vectors) store(red, pp, r.tile, r.n0, tile_rows, threadIdx.x);
+      if constexpr (fused_combine) {
+        if (p.combine.strips != nullptr) combine_if_last(p, tiles, r.n0);
+      }
       // The next item overwrites the partial sums.
       __syncthreads();
     }
+    // No rows at all (every slot filtered): no item counts a strip, and the CTAs write the zeros.
+    if constexpr (fused_combine) {
+      if (p.combine.strips != nullptr && tiles == 0)
+        for (int strip = blockIdx.x; strip < p.n_tiles; strip += gridDim.x) combine_strip(p, strip * out_cols);
+    }
     cp_async_wait<0>();  // only empty groups are left
+  }
+
+  // GEMM2 combining in its last CTAs (p.combine): the 16-bit kernels' rows store.
+  static constexpr bool fused_combine = Kind == moe_gemm_kind::down && !Fp8;
+
+  // Counts the item just stored for its N tile; the CTA whose count completes the tile's M tiles
+  // sums its columns. Each thread's rows reach L2 before thread 0's count says so (fence, then
+  // barrier); the summing CTA reads them through L2.
+  __device__ __forceinline__ static void combine_if_last(const moe_gemm_params<T>& p, int tiles, int n0) {
+    __threadfence();
+    __syncthreads();
+    int done = 0;
+    if (threadIdx.x == 0) done = atomicAdd(p.combine.strips + n0 / out_cols, 1) == tiles - 1;
+    if (__syncthreads_or(done) == 0) return;
+    __threadfence();
+    combine_strip(p, n0);
+  }
+
+  // Every token's output over columns [n0, n0 + out_cols): combine_rows_kernel's sum and rounding.
+  __device__ __forceinline__ static void combine_strip(const moe_gemm_params<T>& p, int n0) {
+    constexpr int vecs = out_cols / 8;
+    const auto& cb = p.combine;
+    // A caller's output in deterministic mode may sit on any element boundary.
+    const bool aligned = reinterpret_cast<std::uintptr_t>(cb.out) % 16 == 0;
+    for (int v = threadIdx.x; v < cb.tokens * vecs; v += threads) {
+      const int token = v / vecs, c = n0 + (v % vecs) * 8;
+      if (c >= p.n) continue;  // n is a multiple of 8: a vector is wholly in or out
+      float acc[8];
+      combine_sum<8, true>(p.c, p.n, c, static_cast<std::int64_t>(token) * p.top_k, p.top_k, cb.slot_to_row,
+                           cb.weights, 1, 0, acc);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] *= cb.scale;
+      T* dst = cb.out + static_cast<std::int64_t>(token) * p.n + c;
+      if (aligned) store_f32<8>(dst, acc);
+      else
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dst[i] = from_f32<T>(acc[i]);
+    }
   }
 
   // Eight outputs of one token: the warps' sums of local rows [c, c + 8).

@@ -374,7 +374,7 @@ class cuda_fused_policy {
       g1.local_experts = cfg_.num_local_experts();
       g1.local_error = plan.error_flag;
       g1.local_status = d.status;
-      if (pl.combine_kernel) g1.local_slot_to_row = plan.slot_to_row;
+      if (pl.combine_kernel || pl.combine_in_gemm2) g1.local_slot_to_row = plan.slot_to_row;
     }
     const float scale = d.topk.routed_scaling_applied ? 1.0f : cfg_.routed_scaling_factor();
     const float* row_weights = cfg_.apply_router_weight_on_input() ? nullptr : weights;
@@ -399,6 +399,14 @@ class cuda_fused_policy {
     }
     // Deterministic split-K: f32 parts per split, summed in split order by combine.
     gpu::set_down_store(g2, pl.down, base + lay.rows, slots, out, row_weights, scale);
+    if (pl.combine_in_gemm2) {
+      // GEMM2's last CTA of each N tile combines (kernel_stream_gemm.cuh); GEMM1 zeroes the counts.
+      auto* strips = reinterpret_cast<std::int32_t*>(base + lay.strips);
+      g2.combine = {strips, out.ptr<T>(), plan.slot_to_row, row_weights, scale, static_cast<int>(m)};
+      MOE_EXPECT(!clear_in_gemm1, "cuda_fused_policy", "internal: GEMM1 clears either the output or the counts");
+      g1.clear = reinterpret_cast<uint4*>(strips);
+      g1.clear_vectors = static_cast<std::int64_t>(lay.strips_bytes / sizeof(uint4));
+    }
     if constexpr (stream_gemm) {
       g1.next = gpu::stream_next_gemm<T, GemmPolicy>(g2, schedule, dev, stream_l2_);
       g1.weights_evict_first = g2.weights_evict_first = stream_l2_.evict_first;
@@ -418,8 +426,8 @@ class cuda_fused_policy {
                                                              (dependent || stream_gemm) && !memset_between);
 
     // Deterministic: combine sums the rows, launched as GEMM2's programmatic dependent when the
-    // GEMMs are launched so (by default with the stream GEMMs).
-    gpu::combine_down(g2, plan, row_weights, scale, out, stream, dependent);
+    // GEMMs are launched so (by default with the stream GEMMs), unless GEMM2 did.
+    if (pl.combine_kernel) gpu::combine_down(g2, plan, row_weights, scale, out, stream, dependent);
   }
 
   MoeRunnerConfig cfg_;
