@@ -227,12 +227,13 @@ static_assert(check_stream_gemm_tuning(stream_gemm_policy::tuning));
 // The same GEMM with K in order: one warp per CTA walks all of K, so each output is one chain of
 // k16 tensor-core sums from K = 0 up, the order of the wgmma kernels' chains (a split over warps
 // adds its parts in another). Batch-invariant runs take it at decode, where the wgmma tiles
-// stream weights through too few CTAs. Eight stages (seven K tiles, 35 KB, in flight per warp)
-// and five CTAs per SM keep about as many bytes in flight per SM as stream_gemm_policy's twelve
-// warps.
+// stream weights through too few CTAs. Sixteen stages (80 KB, two CTAs per SM): each warp keeps
+// 15 K tiles of its rows in flight, so that even where the items are few (Mixtral-8x7B's GEMM2
+// at one token: 256 items of 112 K tiles, two per SM) an SM has ~120 KB of weights in flight,
+// about what stream_gemm_policy's twelve warps keep.
 struct stream_gemm_ordered_policy {
   static constexpr stream_gemm_tuning tuning{
-      .block_m = 8, .block_n = 32, .warps = 1, .stages = 8, .min_arch = 80, .raster_band = 8};
+      .block_m = 8, .block_n = 32, .warps = 1, .stages = 16, .min_arch = 80, .raster_band = 8};
 };
 static_assert(check_stream_gemm_tuning(stream_gemm_ordered_policy::tuning));
 // The same rings over e4m3 operands (cuda_fused_fp8 at decode): 128-byte stage rows hold 128
