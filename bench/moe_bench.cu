@@ -12,7 +12,8 @@
 // sm_90a code), cuda_fused_m64 / cuda_fused_m64n128 / cuda_fused_m128 (the wgmma kernels with
 // 64 x 256, 64 x 128 or 128 x 256 tiles forced, where the default picks by shape),
 // cuda_fused_m128x2 (128-row tiles in 2-CTA clusters forced), cuda_fused_stream (the stream
-// GEMMs forced, which the default picks at decode),
+// GEMMs forced, which the default picks at decode), cuda_fused_stream_ordered (their form with
+// K in order, one warp per CTA, which batch-invariant runs pick at decode),
 // cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the default is 8) and
 // cuda_fused_pdl / cuda_fused_nopdl (programmatic dependent launches on / off everywhere; by
 // default on with the stream GEMMs only) and cuda_fused_plankernel (the plan kernel at decode,
@@ -153,6 +154,7 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_m128", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m128, false, false},
     {"cuda_fused_m128x2", "cuda_fused", mr::gpu::gemm_tuning_choice::sm90_wgmma_m128x2, false, false},
     {"cuda_fused_stream", "cuda_fused", mr::gpu::gemm_tuning_choice::stream, false, false},
+    {"cuda_fused_stream_ordered", "cuda_fused", mr::gpu::gemm_tuning_choice::stream_ordered, false, false},
     {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
     {"cuda_fused_pdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, true},
     {"cuda_fused_nopdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, false},
