@@ -25,9 +25,10 @@ __device__ __forceinline__ T from_f32(float v) {
 }
 
 // L2Only: ld.global.cg, past L1 (data other CTAs of the running kernel wrote: L1 is not
-// coherent with them).
+// coherent with them); 16-byte vectors only.
 template <int VEC, bool L2Only = false, class T>
 __device__ __forceinline__ void load_f32(const T* p, float (&v)[VEC]) {
+  static_assert(!L2Only || VEC == 8, "the loads through L2 are 16-byte vectors");
   if constexpr (VEC == 8 && sizeof(T) == 2) {
     const uint4* q = reinterpret_cast<const uint4*>(p);
     const uint4 raw = L2Only ? __ldcg(q) : *q;
@@ -38,16 +39,6 @@ __device__ __forceinline__ void load_f32(const T* p, float (&v)[VEC]) {
     const float4* q = reinterpret_cast<const float4*>(p);
     const float4 a = L2Only ? __ldcg(q) : q[0], b = L2Only ? __ldcg(q + 1) : q[1];
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-  } else if constexpr (L2Only && sizeof(T) == 2) {
-    const unsigned short* q = reinterpret_cast<const unsigned short*>(p);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const unsigned short bits = __ldcg(q + i);
-      v[i] = to_f32(*reinterpret_cast<const T*>(&bits));
-    }
-  } else if constexpr (L2Only) {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) v[i] = __ldcg(p + i);
   } else {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) v[i] = to_f32(p[i]);
