@@ -30,6 +30,7 @@ struct local_plan {
   std::int32_t row_to_slot[local_plan_max_slots];
   std::int32_t expert[local_plan_max_slots];  // per slot, -1 when left out
   std::int32_t count[local_plan_max_slots];   // per slot: its expert's rows at the expert's first slot, else 0
+  std::int32_t before[local_plan_max_slots];  // per slot: rows of smaller experts, at the expert's first slot
   std::int32_t tile_count;
 };
 
@@ -75,6 +76,7 @@ __device__ __forceinline__ void build_local_plan(const std::int32_t* ids, int sl
     }
     if (slot_to_row != nullptr) slot_to_row[t] = e >= 0 ? at.before + at.rank : -1;
     s.count[t] = e >= 0 && at.rank == 0 ? at.count : 0;
+    s.before[t] = at.before;
   }
   __syncthreads();
 
@@ -82,7 +84,7 @@ __device__ __forceinline__ void build_local_plan(const std::int32_t* ids, int sl
   for (int t = first_slot; t < slots; t += THREADS) {
     const int e = s.expert[t], count = s.count[t];
     if (count == 0) continue;  // not an expert's first slot (every expert there has a row)
-    const routing::slot_place at = routing::place_of_slot(s.expert, slots, t);
+    const routing::slot_place at{s.before[t], 0, count};
     const int first_tile = routing::first_tile_of(s.expert, s.count, slots, e, block_m);
     for (int i = 0; i < routing::m_tiles_for(count, block_m); ++i) {
       int begin = 0, end = 0;
