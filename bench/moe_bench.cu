@@ -13,8 +13,8 @@
 // 64 x 256, 64 x 128 or 128 x 256 tiles forced, where the default picks by shape),
 // cuda_fused_m128x2 (128-row tiles in 2-CTA clusters forced), cuda_fused_stream (the stream
 // GEMMs forced, which the default picks at decode), cuda_fused_stream_ordered (their form with
-// K in order, one warp per CTA, which batch-invariant runs pick at decode),
-// cuda_fused_band1 (a raster band of 1 M tile, N tiles fastest, where the default is 8) and
+// K in order, one warp per CTA), cuda_fused_band1, _band2 and _band4 (raster bands of 1, 2 and
+// 4 M tiles where the default is 8; band 1 walks the N tiles fastest) and
 // cuda_fused_pdl / cuda_fused_nopdl (programmatic dependent launches on / off everywhere; by
 // default on with the stream GEMMs only) and cuda_fused_plankernel (the plan kernel at decode,
 // where by default the stream GEMMs build the schedule themselves: set_plan_in_gemms),
@@ -27,8 +27,8 @@
 // pairs), cuda_fused_fp8_single (never pairs of CTAs), cuda_fused_fp8_pairs (pairs of CTAs
 // wherever the stream GEMMs are not taken), cuda_fused_fp8_stream (the stream GEMMs at every
 // M; slow at prefill: ask for decode cells), cuda_fused_fp8_m64 (64-row CTAs alone wherever the
-// stream GEMMs are not taken), cuda_fused_fp8_m128 (128-row CTAs there), cuda_fused_fp8_overlap
-// and cuda_fused_fp8_stagger (the overlapped and staggered K loops, gpu::fp8_k_loop), the same
+// stream GEMMs are not taken), cuda_fused_fp8_m128 (128-row CTAs there), cuda_fused_fp8_plain,
+// cuda_fused_fp8_overlap and cuda_fused_fp8_stagger (each K loop forced, gpu::fp8_k_loop), the same
 // in pairs of CTAs (cuda_fused_fp8_pairs_overlap, cuda_fused_fp8_pairs_stagger),
 // cuda_fused_fp8_band16 and cuda_fused_fp8_overlap_band16 (raster bands of 16 M tiles, not 8),
 // cuda_fused_fp8_quads (fours of CTAs on 256-row tiles wherever the stream GEMMs are not taken),
@@ -156,6 +156,8 @@ constexpr backend_variant backend_variants[] = {
     {"cuda_fused_stream", "cuda_fused", mr::gpu::gemm_tuning_choice::stream, false, false},
     {"cuda_fused_stream_ordered", "cuda_fused", mr::gpu::gemm_tuning_choice::stream_ordered, false, false},
     {"cuda_fused_band1", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 1},
+    {"cuda_fused_band2", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 2},
+    {"cuda_fused_band4", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 4},
     {"cuda_fused_pdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, true},
     {"cuda_fused_nopdl", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, false},
     {"cuda_fused_plankernel", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
@@ -182,6 +184,8 @@ constexpr backend_variant backend_variants[] = {
      true, std::nullopt, false, std::nullopt, false, false},
     {"cuda_fused_fp8_m128", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0, std::nullopt,
      true, std::nullopt, false, std::nullopt, false, true},
+    {"cuda_fused_fp8_plain", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0,
+     std::nullopt, true, std::nullopt, false, std::nullopt, std::nullopt, std::nullopt, mr::gpu::fp8_k_loop::plain},
     {"cuda_fused_fp8_overlap", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0,
      std::nullopt, true, std::nullopt, false, std::nullopt, std::nullopt, std::nullopt, mr::gpu::fp8_k_loop::overlap},
     {"cuda_fused_fp8_stagger", "cuda_fused_fp8", mr::gpu::gemm_tuning_choice::automatic, false, false, 0,

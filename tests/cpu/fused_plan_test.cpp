@@ -127,14 +127,16 @@ TEST_CASE("default runs: stream GEMMs with the schedule built in them at decode,
 }
 
 TEST_CASE("deterministic decode: GEMM2's last CTA of each N tile sums the rows where the GEMMs build the schedule") {
-  for (const bool invariant : {false, true}) {
-    CAPTURE(invariant);
+  // The stream GEMMs as the plan picks them, and their form with K in order (forced).
+  for (const g::gemm_tuning_choice tuning : {g::gemm_tuning_choice::automatic, g::gemm_tuning_choice::stream_ordered}) {
+    CAPTURE(g::gemm_tuning_name(tuning));
+    const bool ordered = tuning == g::gemm_tuning_choice::stream_ordered;
     moe_config_params c = qwen3();
     c.deterministic = true;
-    c.batch_invariant = invariant;
-    const g::fused_plan one = plan_of(c, 1);  // 8 slots
+    const g::fused_settings s = with_tuning(tuning);
+    const g::fused_plan one = plan_of(c, 1, h200, s);  // 8 slots
     CHECK(one.family == g::gemm_family::stream);
-    CHECK(one.tile == (invariant ? g::sm90_tile::stream_ordered : g::sm90_tile::stream));
+    CHECK(one.tile == (ordered ? g::sm90_tile::stream_ordered : g::sm90_tile::stream));
     CHECK(one.schedule_in_gemms);
     CHECK(one.down == g::down_store::rows);
     CHECK(one.combine_in_gemm2);
@@ -143,20 +145,28 @@ TEST_CASE("deterministic decode: GEMM2's last CTA of each N tile sums the rows w
     CHECK(one.describe().find("GEMM2 rows + combine in GEMM2") != std::string::npos);
     check_layout(one, c);
     // 72 slots: the plan kernel orders the rows, and the combine kernel sums them.
-    const g::fused_plan nine = plan_of(c, 9);
+    const g::fused_plan nine = plan_of(c, 9, h200, s);
     CHECK(nine.family == g::gemm_family::stream);
     CHECK_FALSE(nine.combine_in_gemm2);
     CHECK(nine.combine_kernel);
     // So does a runner told to build the schedule in a plan kernel.
-    g::fused_settings plan_kernel;
+    g::fused_settings plan_kernel = s;
     plan_kernel.plan_in_gemms = false;
     CHECK_FALSE(plan_of(c, 1, h200, plan_kernel).combine_in_gemm2);
     CHECK(plan_of(c, 1, h200, plan_kernel).combine_kernel);
     // no_combine stores to the slots: nothing to sum.
     c.no_combine = true;
-    CHECK_FALSE(plan_of(c, 1).combine_in_gemm2);
-    CHECK_FALSE(plan_of(c, 1).combine_kernel);
+    CHECK_FALSE(plan_of(c, 1, h200, s).combine_in_gemm2);
+    CHECK_FALSE(plan_of(c, 1, h200, s).combine_kernel);
   }
+  // Batch-invariant decode runs the wgmma tiles, whose rows the combine kernel sums.
+  moe_config_params inv = qwen3();
+  inv.batch_invariant = true;
+  const g::fused_plan one = plan_of(inv, 1);
+  CHECK(one.family == g::gemm_family::wgmma);
+  CHECK_FALSE(one.combine_in_gemm2);
+  CHECK(one.combine_kernel);
+  check_layout(one, inv);
 }
 
 TEST_CASE("without deterministic, GEMM2 writes rows for the combine kernel where its K is short and slots many") {
@@ -199,36 +209,23 @@ TEST_CASE("deterministic decode on the wgmma tiles splits GEMM2's K into f32 par
   check_layout(q, inv);
 }
 
-TEST_CASE("batch-invariant runs keep the wgmma K order at every M, with GEMM2 rows summed in slot order") {
+TEST_CASE("batch-invariant runs stay on the wgmma kernels at every M, with GEMM2 rows summed in slot order") {
   for (const moe_config_params base : {mixtral(), qwen3()}) {
     moe_config_params inv = base;
     inv.batch_invariant = true;
     for (std::int64_t m : {1, 2, 7, 8, 64, 512, 4096, 16384}) {
       CAPTURE(m);
       const g::fused_plan p = plan_of(inv, m);
-      const g::fused_plan d = plan_of(base, m);
-      // Where the default streams weights with K split over warps, the stream GEMM with K in
-      // order; elsewhere the default's wgmma tile.
-      if (d.family == g::gemm_family::stream) {
-        CHECK(p.family == g::gemm_family::stream);
-        CHECK(p.tile == g::sm90_tile::stream_ordered);
-        CHECK(p.schedule_block_m == 8);
-        CHECK(p.describe().find("stream ordered") != std::string::npos);
-      } else {
-        CHECK(p.family == g::gemm_family::wgmma);
-        CHECK(d.tile == p.tile);
-        CHECK_FALSE(p.schedule_in_gemms);
-      }
+      CHECK(p.family == g::gemm_family::wgmma);
       CHECK(p.tile != g::sm90_tile::stream);
       CHECK(p.down_k_splits == 1);
       CHECK(p.down == g::down_store::rows);
+      CHECK_FALSE(p.schedule_in_gemms);
+      // The default at the same M may take the stream GEMMs; it never changes the tile rule above.
+      const g::fused_plan d = plan_of(base, m);
+      if (d.family == g::gemm_family::wgmma) CHECK(d.tile == p.tile);
     }
   }
-  // Qwen3-30B-A3B at one token: 8 rows over 8 experts, the stream GEMM's decode.
-  moe_config_params q = qwen3();
-  q.batch_invariant = true;
-  CHECK(plan_of(q, 1).tile == g::sm90_tile::stream_ordered);
-  CHECK(plan_of(q, 512).family == g::gemm_family::wgmma);
   // no_combine stores each row to its slot: batch-invariant without a combine kernel.
   moe_config_params nc = qwen3();
   nc.batch_invariant = true;
@@ -260,25 +257,22 @@ TEST_CASE("GEMM2 splits K only where its items come in at most two waves") {
 }
 
 TEST_CASE("GEMM2 on 64 x 128 tiles where its unsplit items would fill at most half the SMs") {
-  // Batch-invariant, 64 tokens over 8 experts (k = 2, H = 512, I = 4352): 16 rows per expert
-  // take 64-row tiles; GEMM1's 8 x 34 items take 64 x 256, GEMM2's would be 20 (at most 10 M
-  // tiles x 2 N tiles) and may not split: 64 x 128 doubles them.
-  moe_config_params inv{.num_experts = 8, .hidden_size = 512, .intermediate_size = 4352, .top_k = 2};
+  // Batch-invariant Mixtral-8x7B at one token: GEMM1's 224 items take 64 x 256 tiles, GEMM2's
+  // would be 32 (2 experts x 16 N tiles) and may not split: 64 x 128 doubles them.
+  moe_config_params inv = mixtral();
   inv.batch_invariant = true;
-  const g::fused_plan p64 = plan_of(inv, 64);
-  CHECK(p64.tile == g::sm90_tile::m64);
-  CHECK(p64.down_tile == g::sm90_tile::m64n128);
-  CHECK(p64.down_k_splits == 1);
-  CHECK(p64.describe().find("GEMM2 on m64n128") != std::string::npos);
-  check_layout(p64, inv);
-  // The default run there splits K instead; a forced tuning keeps its tile for both GEMMs.
-  moe_config_params def = inv;
-  def.batch_invariant = false;
-  CHECK(plan_of(def, 64).down_k_splits > 1);
-  CHECK(plan_of(def, 64).down_tile == g::sm90_tile::m64);
-  CHECK(plan_of(inv, 64, h200, with_tuning(g::gemm_tuning_choice::sm90_wgmma_m64)).down_tile == g::sm90_tile::m64);
-  // No benchmark cell takes it: batch-invariant decode runs the stream GEMM with K in order, and
-  // from 64-row tiles on GEMM2's items are many or split.
+  const g::fused_plan one = plan_of(inv, 1);
+  CHECK(one.tile == g::sm90_tile::m64);
+  CHECK(one.down_tile == g::sm90_tile::m64n128);
+  CHECK(one.down_k_splits == 1);
+  CHECK(one.describe().find("GEMM2 on m64n128") != std::string::npos);
+  check_layout(one, inv);
+  // Eight tokens reach every expert: 8 x 16 = 128 items, nearly a wave already.
+  CHECK(plan_of(inv, 8).down_tile == g::sm90_tile::m64);
+  // The default run at 64 tokens splits K instead; a forced tuning keeps its tile for both GEMMs.
+  CHECK(plan_of(mixtral(), 64).down_tile == g::sm90_tile::m64);
+  CHECK(plan_of(inv, 1, h200, with_tuning(g::gemm_tuning_choice::sm90_wgmma_m64)).down_tile == g::sm90_tile::m64);
+  // Of the benchmark's cells only that one changes: every other plan runs GEMM2 on GEMM1's tile.
   for (const moe_config_params& base : {mixtral(), qwen3(), deepseek()})
     for (int mode = 0; mode < 3; ++mode) {
       moe_config_params c = base;
@@ -287,7 +281,9 @@ TEST_CASE("GEMM2 on 64 x 128 tiles where its unsplit items would fill at most ha
       for (std::int64_t m : {1, 8, 64, 512, 4096, 16384}) {
         CAPTURE(m);
         CAPTURE(mode);
-        CHECK(plan_of(c, m).down_tile == plan_of(c, m).tile);
+        const g::fused_plan p = plan_of(c, m);
+        const bool changed = c.batch_invariant && c.num_experts == 8 && m == 1;
+        CHECK((p.down_tile != p.tile) == changed);
       }
     }
 }
@@ -506,7 +502,7 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs, fours and 128-row CTAs forced on o
   CHECK(det_split.workspace.rows_bytes >= 3u * 8u * 8u * 2048u * 4u);
 }
 
-TEST_CASE("fp8 plan: the K loop and the raster band only where asked") {
+TEST_CASE("fp8 plan: the overlapped K loop unless asked otherwise, the raster band only where asked") {
   const auto forced = [](const moe_config_params& c, std::int64_t m, g::fp8_settings s) {
     const g::fp8_plan p = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, s);
     check_fp8_layout(p, c);
@@ -516,26 +512,30 @@ TEST_CASE("fp8 plan: the K loop and the raster band only where asked") {
     for (std::int64_t m : {0, 1, 64, 4096, 16384}) {
       CAPTURE(c.num_experts);
       CAPTURE(m);
-      // Unasked: the plain K loop, the 16-bit wgmma tunings' band (8 M tiles).
-      const g::fp8_plan plain = fp8_plan_of(c, m);
-      CHECK(plain.k_loop == g::fp8_k_loop::plain);
-      CHECK(plain.raster_band == g::sm90_wgmma_gemm_policy::tuning.raster_band);
-      CHECK(plain.raster_band == 8);
-      for (const char* name : {"overlapped", "staggered"}) CHECK(plain.describe().find(name) == std::string::npos);
-      for (const g::fp8_k_loop loop : {g::fp8_k_loop::overlap, g::fp8_k_loop::stagger}) {
+      // Unasked: the overlapped K loop on the wgmma CTAs, the 16-bit wgmma tunings' band (8 M tiles).
+      const g::fp8_plan unasked = fp8_plan_of(c, m);
+      CHECK(unasked.k_loop == (unasked.stream ? g::fp8_k_loop::plain : g::fp8_k_loop::overlap));
+      CHECK(unasked.raster_band == g::sm90_wgmma_gemm_policy::tuning.raster_band);
+      CHECK(unasked.raster_band == 8);
+      CHECK((unasked.describe().find("overlapped") != std::string::npos) == !unasked.stream);
+      // Work items handed out take the plain loop (the overlap's lean producer spilled there).
+      CHECK(forced(c, m, {.hand_out = true}).k_loop == g::fp8_k_loop::plain);
+      for (const g::fp8_k_loop loop : {g::fp8_k_loop::plain, g::fp8_k_loop::overlap, g::fp8_k_loop::stagger}) {
         CAPTURE(g::fp8_k_loop_name(loop));
         // Asked: taken on the 64-row wgmma CTAs, alone or in pairs; the tiles, splits and
-        // workspace are the plain plan's (the K loop changes nothing else).
+        // workspace are the unasked plan's (the K loop changes nothing else).
         const g::fp8_plan o = forced(c, m, {.k_loop = loop});
         CHECK(o.k_loop == (o.stream ? g::fp8_k_loop::plain : loop));
-        CHECK(o.tile == plain.tile);
-        CHECK(o.stream == plain.stream);
-        CHECK(o.down_k_splits == plain.down_k_splits);
-        CHECK(o.workspace.total == plain.workspace.total);
-        CHECK((o.describe().find(std::string(" ") + g::fp8_k_loop_name(loop)) != std::string::npos) == !o.stream);
+        CHECK(o.tile == unasked.tile);
+        CHECK(o.stream == unasked.stream);
+        CHECK(o.down_k_splits == unasked.down_k_splits);
+        CHECK(o.workspace.total == unasked.workspace.total);
+        if (loop == g::fp8_k_loop::plain)
+          for (const char* name : {"overlapped", "staggered"}) CHECK(o.describe().find(name) == std::string::npos);
+        else CHECK((o.describe().find(std::string(" ") + g::fp8_k_loop_name(loop)) != std::string::npos) == !o.stream);
         const g::fp8_plan paired = forced(c, m, {.stream = false, .pairs = true, .k_loop = loop});
         CHECK(paired.k_loop == loop);
-        // Never on 128-row CTAs or the stream GEMMs.
+        // Never other than plain on 128-row CTAs or the stream GEMMs.
         const g::fp8_plan tall = forced(c, m, {.stream = false, .pairs = false, .tall = true, .k_loop = loop});
         if (tall.tile == g::fp8_tile::m128) CHECK(tall.k_loop == g::fp8_k_loop::plain);
         const g::fp8_plan streamed = forced(c, m, {.stream = true, .k_loop = loop});
@@ -544,14 +544,15 @@ TEST_CASE("fp8 plan: the K loop and the raster band only where asked") {
       }
       const g::fp8_plan band = forced(c, m, {.raster_band = 16});
       CHECK(band.raster_band == 16);
-      CHECK(band.tile == plain.tile);
-      CHECK(band.workspace.total == plain.workspace.total);
+      CHECK(band.tile == unasked.tile);
+      CHECK(band.workspace.total == unasked.workspace.total);
       if (!band.stream) CHECK(band.describe().find(" band 16") != std::string::npos);
     }
   // Batch-invariant runs keep the plain K loop (one kernel at every M); the band orders work
   // items only, so it is taken in every mode.
   moe_config_params inv = mixtral();
   inv.batch_invariant = true;
+  CHECK(forced(inv, 4096, {}).k_loop == g::fp8_k_loop::plain);
   CHECK(forced(inv, 4096, {.k_loop = g::fp8_k_loop::overlap}).k_loop == g::fp8_k_loop::plain);
   CHECK(forced(inv, 4096, {.k_loop = g::fp8_k_loop::stagger}).k_loop == g::fp8_k_loop::plain);
   CHECK(forced(inv, 4096, {.raster_band = 3}).raster_band == 3);
@@ -704,13 +705,12 @@ TEST_CASE("grid: every bf16 plan is laid out, sized within its bounds, batch-inv
         CHECK(p.workspace.total <= slots * static_cast<std::size_t>(s.i) * 2 + 64 * slots +
                                        64 * static_cast<std::size_t>(s.e) + 4096);
       if (mode == grid_mode::batch_invariant && m > 0 && dev.has_wgmma) {
-        // One K order at every M: wgmma tiles or the stream GEMM with K in order, no K split,
-        // rows summed per token in slot order.
-        CHECK((p.family == g::gemm_family::wgmma || p.tile == g::sm90_tile::stream_ordered));
-        CHECK(p.tile != g::sm90_tile::stream);
+        // One kernel family and K order at every M: wgmma tiles, no K split, rows summed
+        // per token in slot order.
+        CHECK(p.family == g::gemm_family::wgmma);
         CHECK(p.down_k_splits == 1);
         CHECK(p.down == g::down_store::rows);
-        CHECK((p.combine_kernel || p.combine_in_gemm2));
+        CHECK(p.combine_kernel);
         if (!first) first = p;
         CHECK(p.choice == first->choice);
       }

@@ -756,7 +756,8 @@ struct probes {
   // Runs a batch of m tokens, probe j at position at[j] (or left out where at[j] < 0), the rest
   // random inputs and routings; returns each probe's output row as bytes (empty where left out).
   std::vector<std::vector<unsigned char>> run(std::int64_t m, const std::vector<std::int64_t>& at, bool invariant,
-                                              std::mt19937& rng, std::string* plan = nullptr) const {
+                                              std::mt19937& rng, std::string* plan = nullptr,
+                                              tuning tu = tuning::automatic) const {
     host_tensor bx(type, {m, h}), bw(mr::dtype::f32, {m, k}), bi(mr::dtype::i32, {m, k});
     mr::test::fill_random(bx, rng, 1.0f);
     route(m, bw, bi, rng);
@@ -773,6 +774,9 @@ struct probes {
     mr::test::device_tensor dout(out);
     MOE_CUDA_CHECK(cudaMemset(dout.buf.get(), 0xff, dout.buf.bytes()));
     runner_t runner("cuda_fused", config(invariant));
+    runner.visit([&](auto& core) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>) core.set_gemm_tuning(tu);
+    });
     if (plan != nullptr) *plan = runner.describe(m);
     device_buffer ws(runner.workspace_bytes(m));
     MOE_CUDA_CHECK(cudaMemset(ws.get(), 0xff, ws.bytes()));
@@ -793,11 +797,12 @@ struct probes {
 }  // namespace
 
 TEST_CASE("cuda_fused batch_invariant: a token's bits do not depend on the batch it runs in") {
-  // E = 16, k = 4: one row per active expert at M = 1 and two at 7 (the stream GEMM with K in
-  // order), 16 at 64 (64-row tiles), 128 at 512 (128-row tiles), 1024 at 4096 (2-CTA clusters):
-  // the probes' bits from the mma.sync chains of decode must equal the wgmma chains'. E = 8,
-  // k = 2 with I long against H: at 64 tokens GEMM1 takes 64 x 256 tiles and GEMM2, whose items
-  // are few, 64 x 128 tiles.
+  // E = 16, k = 4: one row per active expert at M = 1 and two at 7 (64-row tiles, where the
+  // default runs the stream GEMMs), 16 at 64 (64-row tiles), 128 at 512 (128-row tiles), 1024 at
+  // 4096 (2-CTA clusters). E = 8, k = 2 with I long against H: up to 64 rows per expert GEMM1
+  // takes 64 x 256 tiles and GEMM2, whose items are few, 64 x 128 tiles. At 1 and 7 tokens the
+  // stream GEMM with K in order (forced) must give the wgmma chains' bits too: its mma.sync chains
+  // sum K in their order.
   const unsigned seed = mr::test::test_seed();
   CAPTURE(seed);
   std::mt19937 rng(seed);
@@ -821,21 +826,30 @@ TEST_CASE("cuda_fused batch_invariant: a token's bits do not depend on the batch
         std::string plan;
         const auto rows = pr.run(m, at, true, rng, &plan);
         CAPTURE(plan);
-        // Decode (up to 4 rows per active expert) on the stream GEMM with K in order.
-        const std::int64_t slots = m * sh.k;
-        if (slots <= 4 * std::min<std::int64_t>(slots, sh.e)) CHECK(plan.find("stream ordered") != std::string::npos);
-        else if (sh.e == 8 && m <= 64) CHECK(plan.find("GEMM2 on m64n128") != std::string::npos);
-        for (int j = 0; j < probes::count; ++j) {
-          if (rows[j].empty()) continue;
-          CAPTURE(j);
-          // Within the dtype's bound of the reference (no poison, nothing non-finite) ...
-          host_tensor got(t, {1, sh.h}), want(t, {1, sh.h});
-          std::memcpy(got.view.data, rows[j].data(), rows[j].size());
-          std::memcpy(want.view.data, static_cast<const char*>(ref.view.data) + j * rows[j].size(), rows[j].size());
-          CHECK(mr::test::rel_error(got.view, want.view) <= per_row_factor * bound_for(t));
-          // ... and bit for bit what the probe got in the first batch it ran in.
-          if (first[j].empty()) first[j] = rows[j];
-          else CHECK_MESSAGE(rows[j] == first[j], "probe ", j, " changed its bits at M=", m);
+        CHECK(plan.find(": wgmma ") != std::string::npos);  // one kernel family at every M
+        if (sh.e == 8 && m <= 64) CHECK(plan.find("GEMM2 on m64n128") != std::string::npos);
+        const auto check_rows = [&](const std::vector<std::vector<unsigned char>>& got_rows) {
+          for (int j = 0; j < probes::count; ++j) {
+            if (got_rows[j].empty()) continue;
+            CAPTURE(j);
+            // Within the dtype's bound of the reference (no poison, nothing non-finite) ...
+            host_tensor got(t, {1, sh.h}), want(t, {1, sh.h});
+            std::memcpy(got.view.data, got_rows[j].data(), got_rows[j].size());
+            std::memcpy(want.view.data, static_cast<const char*>(ref.view.data) + j * got_rows[j].size(),
+                        got_rows[j].size());
+            CHECK(mr::test::rel_error(got.view, want.view) <= per_row_factor * bound_for(t));
+            // ... and bit for bit what the probe got in the first batch it ran in.
+            if (first[j].empty()) first[j] = got_rows[j];
+            else CHECK_MESSAGE(got_rows[j] == first[j], "probe ", j, " changed its bits at M=", m);
+          }
+        };
+        check_rows(rows);
+        if (sh.e == 16 && m <= 7) {
+          std::string ordered_plan;
+          const auto ordered = pr.run(m, at, true, rng, &ordered_plan, tuning::stream_ordered);
+          CAPTURE(ordered_plan);
+          CHECK(ordered_plan.find("stream ordered") != std::string::npos);
+          check_rows(ordered);
         }
       }
     }

@@ -363,11 +363,12 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     tall_case({600, 8, 2, 384, 384}, bf16, {.gated = false}, false, mr::fp8_weight_scaling::per_channel);
     tall_case({1200, 8, 1, 256, 256}, bf16, {});  // 150 rows per expert
   }
-  SUBCASE("the overlapped and staggered K loops, alone and in pairs; raster bands") {
-    // Forced on (the plan takes them only when asked; the stream GEMMs off): K loops of 1, 2 and
+  SUBCASE("the plain, overlapped and staggered K loops, alone and in pairs; raster bands") {
+    // Each forced (the plan takes overlap unless asked; the stream GEMMs off): K loops of 1, 2 and
     // 3 tiles and longer (the overlapped loop runs in pairs, with a tail of one or two), GEMM2's
     // K split (ranges of a few tiles), experts without rows, and the weight scale formats.
-    for (const mr::gpu::fp8_k_loop loop : {mr::gpu::fp8_k_loop::overlap, mr::gpu::fp8_k_loop::stagger}) {
+    for (const mr::gpu::fp8_k_loop loop :
+         {mr::gpu::fp8_k_loop::plain, mr::gpu::fp8_k_loop::overlap, mr::gpu::fp8_k_loop::stagger}) {
       CAPTURE(mr::gpu::fp8_k_loop_name(loop));
       const mr::gpu::fp8_settings single{.stream = false, .pairs = false, .k_loop = loop};  // else pairs from 96 rows
       const auto loop_case = [&](const shape& c, mr::dtype t, const options& o, bool preq = false,
@@ -402,7 +403,9 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     // Against the reference on every tile, and where deterministic the same bits as in fixed
     // turns (an item's sums do not depend on which cluster runs it or when), twice on one
     // poisoned workspace (the plan zeroes the item counters, each launch leaves them at 0).
-    const mr::gpu::fp8_settings tiles[] = {{.stream = false, .pairs = false}, {.stream = false, .pairs = true}};
+    // Fixed turns with the plain K loop, the one the hand-out takes (the plan's default is overlap).
+    const mr::gpu::fp8_settings tiles[] = {{.stream = false, .pairs = false, .k_loop = mr::gpu::fp8_k_loop::plain},
+                                           {.stream = false, .pairs = true, .k_loop = mr::gpu::fp8_k_loop::plain}};
     for (const mr::gpu::fp8_settings& fixed_turns : tiles) {
       mr::gpu::fp8_settings handed = fixed_turns;
       handed.hand_out = true;

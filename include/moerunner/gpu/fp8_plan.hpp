@@ -58,10 +58,11 @@ inline constexpr int fp8_quad_block_m = 256;
 // (plain), both warpgroups at once as they wait on the same stage; or K tile kt + 1's wgmma are
 // issued before kt's are waited for, and run while kt's sums are promoted (overlap: two sum
 // blocks); or the two warpgroups take turns to issue (stagger: one promotes while the other's
-// wgmma run); either on 64-row CTAs alone or in pairs. Only plain unless asked
-// (fp8_settings::k_loop): stagger measured 0-22% slower, alone or in pairs (bench/NOTES.md,
-// rounds 16 and 21); overlap in its first form, which issued kt + 1 only after kt's wait,
-// 9-34% slower (rounds 15 and 21); its pipelined form is not measured yet.
+// wgmma run); either on 64-row CTAs alone or in pairs. The plan takes overlap on those CTAs,
+// plain where work items are handed out (the lean producer of the overlap spilled there) and
+// on 128-row CTAs and fours; fp8_settings::k_loop forces one. Measured on an H100 in one run
+// each (bench/NOTES.md, round 24): overlap 4-9% faster than plain at 4096 and 16384 tokens,
+// within +-4% at 512 and +-2% at decode; stagger 0-22% slower (rounds 16 and 21).
 enum class fp8_k_loop : std::uint8_t { plain, overlap, stagger };
 inline constexpr const char* fp8_k_loop_name(fp8_k_loop l) {
   return l == fp8_k_loop::plain ? "plain" : l == fp8_k_loop::overlap ? "overlapped" : "staggered";
@@ -93,7 +94,9 @@ struct fp8_settings {
   std::optional<bool> pairs = std::nullopt;    // wgmma CTAs in pairs on 128-row tiles, or never
   std::optional<bool> quads = std::nullopt;    // wgmma CTAs in fours on 256-row tiles (before pairs; unset: never)
   std::optional<bool> tall = std::nullopt;     // 128-row wgmma CTAs where pairs are not taken (unset: never)
-  std::optional<fp8_k_loop> k_loop = std::nullopt;  // the wgmma K loop (unset: plain; 128-row CTAs, fours: plain)
+  // The wgmma K loop (unset: overlap, plain where work items are handed out; 128-row CTAs and
+  // fours: plain whatever is asked).
+  std::optional<fp8_k_loop> k_loop = std::nullopt;
   std::optional<int> raster_band = std::nullopt;  // M tiles per raster band of the wgmma GEMMs (>= 1; any mode)
   // wgmma work items handed out at run time (unset: off; 64-row CTAs alone or in pairs, plain K loop)
   std::optional<bool> hand_out = std::nullopt;
@@ -180,7 +183,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
     p.schedule_block_m = fp8_large_block_m;
   }
   if (!p.stream && !cfg.batch_invariant()) {
-    p.k_loop = settings.k_loop.value_or(fp8_k_loop::plain);
+    p.k_loop = settings.k_loop.value_or(settings.hand_out.value_or(false) ? fp8_k_loop::plain : fp8_k_loop::overlap);
     if (p.tile == fp8_tile::m128 || p.tile == fp8_tile::m64x4) p.k_loop = fp8_k_loop::plain;
   }
   // The band orders the work items only (each item's sums are the same in any order).

@@ -230,8 +230,9 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
       case gemm_tuning_choice::sm90_wgmma_m128: p.tile = sm90_tile::m128; break;
       case gemm_tuning_choice::sm90_wgmma_m128x2: p.tile = sm90_tile::m128x2; break;
       default:
-        // Batch-invariant: kernels whose K order is the same whatever the tile, the wgmma tiles
-        // and the stream GEMM with K in order, never the stream GEMM whose warps split K.
+        // Batch-invariant: the wgmma tiles at every M (their K order is the same whatever the
+        // tile), never the stream GEMMs, whose warps split K (the one form that does not, the
+        // forced stream_ordered, measured slower than the wgmma tiles at decode).
         p.tile = sm90_tile_for(slots, cfg.num_local_experts(), cfg.intermediate_size(), dev.sm_count, !invariant);
     }
     const bool stream = p.tile == sm90_tile::stream || p.tile == sm90_tile::stream_ordered;

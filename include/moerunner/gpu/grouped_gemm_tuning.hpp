@@ -226,11 +226,10 @@ struct stream_gemm_policy {
 static_assert(check_stream_gemm_tuning(stream_gemm_policy::tuning));
 // The same GEMM with K in order: one warp per CTA walks all of K, so each output is one chain of
 // k16 tensor-core sums from K = 0 up, the order of the wgmma kernels' chains (a split over warps
-// adds its parts in another). Batch-invariant runs take it at decode, where the wgmma tiles
-// stream weights through too few CTAs. Sixteen stages (80 KB, two CTAs per SM): each warp keeps
-// 15 K tiles of its rows in flight, so that even where the items are few (Mixtral-8x7B's GEMM2
-// at one token: 256 items of 112 K tiles, two per SM) an SM has ~120 KB of weights in flight,
-// about what stream_gemm_policy's twelve warps keep.
+// adds its parts in another; the batch-invariance test found the bits equal to the wgmma
+// tiles'). Forced only (gemm_tuning_choice::stream_ordered): at decode it measured 1.7-2.3x the
+// split form's time (H100, bench/NOTES.md round 24), slower than the wgmma tiles that
+// batch-invariant runs keep. Sixteen stages (80 KB, two CTAs per SM).
 struct stream_gemm_ordered_policy {
   static constexpr stream_gemm_tuning tuning{
       .block_m = 8, .block_n = 32, .warps = 1, .stages = 16, .min_arch = 80, .raster_band = 8};
@@ -266,15 +265,14 @@ enum class sm90_tile : std::uint8_t { stream, m64, m64n128, m128, m128x2, stream
 // trail by 1.6x at 16 (Mixtral-8x7B, 64 tokens).
 inline constexpr int stream_max_rows_per_expert = 4;
 
-// `any_k_order` false (batch-invariant runs) keeps every output's K order that of the wgmma
-// chains whatever the batch: decode takes the stream GEMM with K in order, never the one whose
-// warps split K.
+// `allow_stream` false keeps every M on the wgmma kernels (batch-invariant runs: one kernel
+// family, hence one K order, whatever the batch).
 constexpr sm90_tile sm90_tile_for(std::int64_t rows, int num_experts, int intermediate_size, int sm_count,
-                                  bool any_k_order = true) {
+                                  bool allow_stream = true) {
   const std::int64_t active = rows < num_experts ? rows : num_experts;
   if (active > 0 && rows >= 512 * active) return sm90_tile::m128x2;
   if (rows > 64 * active) return sm90_tile::m128;
-  if (rows <= stream_max_rows_per_expert * active) return any_k_order ? sm90_tile::stream : sm90_tile::stream_ordered;
+  if (allow_stream && rows <= stream_max_rows_per_expert * active) return sm90_tile::stream;
   const std::int64_t gemm1_items = active * ((intermediate_size + 127) / 128);
   return 2 * gemm1_items <= sm_count ? sm90_tile::m64n128 : sm90_tile::m64;
 }

@@ -31,10 +31,11 @@
 // (the promotion DeepSeek-V3's report describes): the reduced-precision sums span 128 products,
 // never the whole K. Both warpgroups wait on the same stage, so they tend to promote at the same
 // time, with the tensor pipe idle (Mixtral-8x7B 4096's GEMM1: 39% busy). Two K loops address
-// that, each only on request (gpu::fp8_k_loop): overlap (64-row CTAs) keeps two sums and K tile
-// kt + 1's wgmma queued behind kt's, so that kt's retirement and promotion run beside tensor
-// work (k_loop_overlapped; its first form, which issued kt + 1 only after kt's wait, measured
-// slower at prefill: bench/NOTES.md, rounds 15 and 21). stagger has the warpgroups take turns
+// that (gpu::fp8_k_loop): overlap (64-row CTAs; the plan's default there) keeps two sums and K
+// tile kt + 1's wgmma queued behind kt's, so that kt's retirement and promotion run beside tensor
+// work (k_loop_overlapped: 4-9% faster than plain at 4096 and 16384 tokens, bench/NOTES.md
+// round 24; its first form, which issued kt + 1 only after kt's wait, measured slower at
+// prefill: rounds 15 and 21). stagger (only on request) has the warpgroups take turns
 // to issue each block's wgmma (two named barriers), so that one promotes while the other's run,
 // with the registers of the plain loop; it measured 0-22% slower (rounds 16 and 21). Round 21's
 // profile: per K tile (1273 cycles against 512 of tensor work) the consumers spent ~600 cycles

@@ -5,8 +5,9 @@
 // Pipeline, all on the caller's stream, nothing on the host in between (CUDA-graph capturable):
 //   routing plan and M-tile schedule (the plan kernel, as cuda_fused): tiles of 64 rows, or of
 //      128 for pairs of CTAs sharing each weight tile where experts average at least 96 rows
-//      (or for 128-row CTAs, on request: set_tall; on request too, set_k_loop, the 64-row CTAs'
-//      overlapped or staggered K loops, gpu::fp8_k_loop)
+//      (or for 128-row CTAs, on request: set_tall); the 64-row CTAs run the overlapped K loop
+//      (K tile kt + 1's wgmma queued while kt's sums are promoted), or the one set_k_loop asks
+//      for (gpu::fp8_k_loop)
 //   -> the input rows quantized per token in groups of 128 into the workspace (e4m3 + an f32
 //      scale per group), unless hidden_states come as e4m3 with hidden_scales
 //   -> GEMM1: e4m3 x rows gathered inside the load, times w13[e]^T on fp8 wgmma, each 128-K

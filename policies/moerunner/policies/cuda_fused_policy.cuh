@@ -40,10 +40,8 @@
 // weight tile by TMA multicast where they average 512 or more, single 128-row tiles between;
 // and with 64 x 128 tiles (one consumer warpgroup, eight stages) where GEMM1's 64 x 256 items
 // would leave SMs idle (gpu::sm90_tile_for). set_gemm_tuning forces one (tests, benchmarks).
-// batch_invariant keeps every output's K order that of the wgmma kernels' chains (which does not
-// depend on the tile) at every M: the wgmma tiles with no K split, and at decode the stream GEMM
-// with K in order (one warp per CTA, gpu::stream_gemm_ordered_policy); GEMM2 writes rows that
-// combine sums in slot order.
+// batch_invariant keeps every M on the wgmma kernels (whose K order does not depend on the
+// tile) with no K split, GEMM2 writing rows that combine sums in slot order.
 //
 // Requirements, checked with a clear error before anything runs:
 //   - hidden_states, w13 and w2 are all bf16 or all f16 (output: the same dtype); the optional
