@@ -36,6 +36,8 @@
 // With the wgmma GEMMs' work items handed out at run time (set_hand_out): cuda_fused_handed_out,
 // cuda_fused_m128x2_handed_out, cuda_fused_fp8_handed_out, cuda_fused_fp8_single_handed_out and
 // cuda_fused_fp8_pairs_handed_out, each the row of the same name without the suffix otherwise.
+// With raster bands of one expert's M tiles each (set_expert_bands, gpu/expert_bands.hpp):
+// cuda_fused_expert_bands and cuda_fused_fp8_expert_bands.
 //
 // What is timed: a runner's run() from topk_ids/topk_weights to the final [M, H] output
 // (routing plan, both GEMMs, activation, combine), median over batches of launches timed
@@ -143,6 +145,7 @@ struct backend_variant {
   std::optional<bool> hand_out = std::nullopt;  // wgmma work items handed out at run time (unset: the plan's)
   std::optional<bool> fp8_quads = std::nullopt;  // cuda_fused_fp8: fours of wgmma CTAs (unset: the plan's)
   std::optional<int> fp8_down_k_splits = std::nullopt;  // cuda_fused_fp8: GEMM2's K splits (unset: the plan's)
+  std::optional<bool> expert_bands = std::nullopt;  // wgmma raster bands of one expert's tiles (unset: the plan's)
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -212,6 +215,11 @@ constexpr backend_variant backend_variants[] = {
      .deterministic = false, .by_default = false, .fp8_quads = true},
     {.label = "cuda_fused_fp8_down_split3", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .fp8_down_k_splits = 3},
+    {.label = "cuda_fused_expert_bands", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .expert_bands = true},
+    {.label = "cuda_fused_fp8_expert_bands", .backend = "cuda_fused_fp8",
+     .tuning = mr::gpu::gemm_tuning_choice::automatic, .deterministic = false, .by_default = false,
+     .expert_bands = true},
 };
 
 const backend_variant* find_variant(std::string_view label) {
@@ -717,6 +725,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_plan_in_gemms(variant->plan_in_gemms);
           if (variant->stream_l2) core.set_stream_l2(*variant->stream_l2);
           core.set_hand_out(variant->hand_out);
+          core.set_expert_bands(variant->expert_bands);
         } else if constexpr (requires { core.set_stream_gemms(variant->fp8_stream); }) {
           core.set_stream_gemms(variant->fp8_stream);
           core.set_pairs(variant->fp8_pairs);
@@ -726,6 +735,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_k_loop(variant->fp8_k_loop);
           if (variant->raster_band > 0) core.set_raster_band(variant->raster_band);
           core.set_hand_out(variant->hand_out);
+          core.set_expert_bands(variant->expert_bands);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

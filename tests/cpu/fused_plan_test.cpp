@@ -857,3 +857,33 @@ TEST_CASE("work items handed out at run time: only where asked, on the wgmma GEM
   CHECK(g::hand_out_offsets_fit(0xffffffffLL / 2048, 2048));
   CHECK_FALSE(g::hand_out_offsets_fit(0xffffffffLL / 2048 + 1, 2048));
 }
+
+TEST_CASE("expert bands: only where asked, on the wgmma GEMMs, the workspace unchanged") {
+  for (const moe_config_params& c : {mixtral(), qwen3(), deepseek()})
+    for (std::int64_t m : {0, 1, 64, 4096}) {
+      CAPTURE(c.num_experts);
+      CAPTURE(m);
+      g::fused_settings asked;
+      asked.expert_bands = true;
+      const g::fused_plan fixed = plan_of(c, m), banded = plan_of(c, m, h200, asked);
+      CHECK_FALSE(fixed.expert_bands);
+      CHECK(fixed.describe().find("expert bands") == std::string::npos);
+      // The stream GEMMs (decode) walk fixed bands: their schedules carry no band words.
+      CHECK(banded.expert_bands == (banded.family == g::gemm_family::wgmma && m > 0));
+      CHECK((banded.describe().find("expert bands") != std::string::npos) == banded.expert_bands);
+      CHECK(banded.tile == fixed.tile);
+      CHECK(banded.workspace.total == fixed.workspace.total);
+      // fp8: the same rule.
+      const g::fp8_plan f8 = fp8_plan_of(c, m);
+      const g::fp8_plan f8_banded = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.expert_bands = true});
+      CHECK_FALSE(f8.expert_bands);
+      CHECK(f8_banded.expert_bands == (!f8_banded.stream && m > 0));
+      CHECK((f8_banded.describe().find("expert bands of 8") != std::string::npos) == f8_banded.expert_bands);
+      CHECK(f8_banded.tile == f8.tile);
+      CHECK(f8_banded.workspace.total == f8.workspace.total);
+    }
+  // The mma.sync family (no wgmma code) never takes them.
+  g::fused_settings asked;
+  asked.expert_bands = true;
+  CHECK_FALSE(plan_of(mixtral(), 4096, {.code_arch = 80, .has_wgmma = false, .sm_count = 108}, asked).expert_bands);
+}

@@ -59,6 +59,7 @@ struct launch_settings {
   std::optional<mr::gpu::stream_l2_use> stream_l2 = std::nullopt;  // stream GEMMs (unset: the policy's)
   std::optional<bool> gather_a = std::nullopt;  // wgmma GEMM1's A by TMA from gathered rows (unset: the plan's)
   std::optional<bool> hand_out = std::nullopt;  // wgmma work items handed out at run time (unset: the plan's)
+  std::optional<bool> expert_bands = std::nullopt;  // wgmma raster bands of one expert's tiles (unset: the plan's)
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -82,6 +83,7 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
         if (ls.stream_l2) core.set_stream_l2(*ls.stream_l2);
         if (ls.gather_a) core.set_gather_a(*ls.gather_a);
         core.set_hand_out(ls.hand_out);
+        core.set_expert_bands(ls.expert_bands);
       }
     });
     size_workspace(p, ws_misalign);  // the K splits, and so the size, follow the tuning
@@ -404,10 +406,33 @@ TEST_CASE("cuda_fused with the wgmma tiles: GEMM1's A by TMA from gathered rows 
     }
 }
 
+// The order of the wgmma GEMMs' work items never changes an item's sums: with `reordered`
+// deterministic outputs keep the bits they have with `fixed` (`runs` times on a workspace
+// poisoned with 0xff first, whatever the plan must zero), and atomic-combine outputs stay within
+// the reference's bound. check_plan looks at the reordered runner's policy.
+template <class CheckPlan>
+void check_reordered_bits(const problem& p, tuning tu, const launch_settings& fixed, const launch_settings& reordered,
+                          int runs, const CheckPlan& check_plan) {
+  on_device in_order(p, tu, true, 0, fixed);
+  const host_tensor want = in_order.run_once(p);
+  compare(p, want);
+  on_device other(p, tu, true, 0, reordered);
+  other.runner->visit([&](const auto& core) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>) check_plan(core);
+  });
+  MOE_CUDA_CHECK(cudaMemset(other.ws_buf.get(), 0xff, other.ws_buf.bytes()));
+  for (int run = 0; run < runs; ++run) {
+    CAPTURE(run);
+    const host_tensor got = other.run_once(p);
+    CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);
+  }
+  on_device fast(p, tu, false, 0, reordered);
+  compare(p, fast.run_once(p));
+}
+
 TEST_CASE("cuda_fused with the wgmma tiles: work items handed out at run time, the same bits as in fixed turns") {
-  // An item's sums do not depend on which cluster runs it or when, so deterministic outputs keep
-  // their bits; the workspace is poisoned first (the plan zeroes the item counters), and a
-  // second run on it finds them at 0 again.
+  // An item's sums do not depend on which cluster runs it or when; a second run on the
+  // workspace finds the item counters at 0 again.
   if (!mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts())) return;
   const unsigned seed = mr::test::test_seed();
   CAPTURE(seed);
@@ -430,23 +455,43 @@ TEST_CASE("cuda_fused with the wgmma tiles: work items handed out at run time, t
       for (bool gather : {false, true}) {
         CAPTURE(describe(sh, mr::dtype::bf16, opt, tu, true));
         CAPTURE(gather);
-        on_device fixed(p, tu, true, 0, {.gather_a = gather, .hand_out = false});
-        const host_tensor want = fixed.run_once(p);
-        compare(p, want);
-        on_device handed(p, tu, true, 0, {.gather_a = gather, .hand_out = true});
-        handed.runner->visit([&](const auto& core) {
-          if constexpr (std::is_same_v<std::decay_t<decltype(core)>, mr::cuda_fused_policy>)
-            CHECK(core.plan(sh.m).hand_out == (sh.m > 0));
-        });
-        MOE_CUDA_CHECK(cudaMemset(handed.ws_buf.get(), 0xff, handed.ws_buf.bytes()));
-        for (int run = 0; run < (opt.inplace ? 1 : 2); ++run) {
-          CAPTURE(run);
-          const host_tensor got = handed.run_once(p);
-          CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);
-        }
-        on_device fast(p, tu, false, 0, {.gather_a = gather, .hand_out = true});
-        compare(p, fast.run_once(p));
+        check_reordered_bits(p, tu, {.gather_a = gather, .hand_out = false}, {.gather_a = gather, .hand_out = true},
+                             opt.inplace ? 1 : 2,
+                             [&](const mr::cuda_fused_policy& core) { CHECK(core.plan(sh.m).hand_out == (sh.m > 0)); });
       }
+  }
+}
+
+TEST_CASE("cuda_fused with the wgmma tiles: work items in expert bands, the same bits as in fixed bands") {
+  // Experts with one to a dozen tiles, bands narrower and wider than them, alone and with the
+  // hand-out.
+  if (!mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts())) return;
+  const unsigned seed = mr::test::test_seed();
+  CAPTURE(seed);
+  std::mt19937 rng(seed);
+  const std::pair<shape, options> cases[] = {
+      {{0, 8, 2, 256, 256}, {}},
+      {{1, 8, 2, 520, 2048}, {}},
+      {{300, 8, 2, odd_h, odd_i}, {.ids = ids_kind::random_filtered}},
+      {{700, 8, 2, 512, 256}, {.ids = ids_kind::skewed}},  // one expert with most tiles
+      {{3000, 8, 2, 256, 512}, {}},                        // 750 rows per expert
+      {{400, 64, 6, 256, 384}, {}},                        // many experts, a few tiles each
+  };
+  for (const auto& [sh, opt] : cases) {
+    const problem p(sh, mr::dtype::bf16, opt, rng);
+    for (tuning tu : {tuning::sm90_wgmma_m64, tuning::sm90_wgmma_m128, tuning::sm90_wgmma_m128x2})
+      for (int band : {1, 3, 8})
+        for (bool hand_out : {false, true}) {
+          CAPTURE(describe(sh, mr::dtype::bf16, opt, tu, true));
+          CAPTURE(band);
+          CAPTURE(hand_out);
+          check_reordered_bits(p, tu, {.raster_band = band, .expert_bands = false},
+                               {.raster_band = band, .hand_out = hand_out, .expert_bands = true}, 1,
+                               [&](const mr::cuda_fused_policy& core) {
+                                 CHECK(core.plan(sh.m).expert_bands == (sh.m > 0));
+                                 CHECK((core.describe(sh.m).find("expert bands") != std::string::npos) == (sh.m > 0));
+                               });
+        }
   }
 }
 

@@ -145,6 +145,7 @@ struct fp8_on_device {
         core.set_raster_band(forced.raster_band);
         core.set_hand_out(forced.hand_out);
         core.set_down_k_splits(forced.down_k_splits);
+        core.set_expert_bands(forced.expert_bands);
       }
     });
     if (p.prequantized) {
@@ -220,6 +221,8 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
     CHECK(g.runner.describe(s.m).find("wgmma e4m3 m64x2") != std::string::npos);
   if (forced.tall.value_or(false) && !forced.pairs.value_or(false) && s.m > 0)
     CHECK(g.runner.describe(s.m).find("wgmma e4m3 m128") != std::string::npos);
+  if (forced.expert_bands.value_or(false) && !forced.stream.value_or(false) && s.m > 0)
+    CHECK(g.runner.describe(s.m).find("expert bands of") != std::string::npos);
   // GEMM2's K splits where the plan may split (combined output), at most its K tiles.
   if (forced.down_k_splits.value_or(1) > 1 && !o.no_combine && s.m > 0) {
     const int down_k_tiles = s.i / mr::fp8_block_quant_info::group;
@@ -363,7 +366,7 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     tall_case({600, 8, 2, 384, 384}, bf16, {.gated = false}, false, mr::fp8_weight_scaling::per_channel);
     tall_case({1200, 8, 1, 256, 256}, bf16, {});  // 150 rows per expert
   }
-  SUBCASE("the plain, overlapped and staggered K loops, alone and in pairs; raster bands") {
+  SUBCASE("the plain, overlapped and staggered K loops, alone and in pairs; raster bands, expert bands") {
     // Each forced (the plan takes overlap unless asked; the stream GEMMs off): K loops of 1, 2 and
     // 3 tiles and longer (the overlapped loop runs in pairs, with a tail of one or two), GEMM2's
     // K split (ranges of a few tiles), experts without rows, and the weight scale formats.
@@ -398,6 +401,17 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     for (int band : {1, 3, 16})
       worst = std::max(worst, check_case({600, 8, 2, 256, 384}, bf16, {}, rng, false, mr::fp8_weight_scaling::block128,
                                          {.pairs = false, .raster_band = band}));
+    // Bands of one expert's tiles: single CTAs and pairs, experts of one to a dozen tiles.
+    for (int band : {1, 3, 8})
+      for (bool pairs : {false, true}) {
+        CAPTURE(band);
+        CAPTURE(pairs);
+        const mr::gpu::fp8_settings banded{.stream = false, .pairs = pairs, .raster_band = band, .expert_bands = true};
+        for (const shape& sh : {shape{600, 8, 2, 256, 384}, shape{3000, 8, 2, 256, 256}, shape{400, 64, 6, 256, 384}})
+          worst = std::max(worst, check_case(sh, bf16, {}, rng, false, mr::fp8_weight_scaling::block128, banded));
+        worst = std::max(worst, check_case({700, 8, 2, 256, 256}, bf16, {.ids = ids_kind::skewed}, rng, false,
+                                           mr::fp8_weight_scaling::block128, banded));
+      }
   }
   SUBCASE("work items handed out at run time: single CTAs and pairs") {
     // Against the reference on every tile, and where deterministic the same bits as in fixed

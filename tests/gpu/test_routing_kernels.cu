@@ -18,6 +18,7 @@
 #include <cuda_runtime_api.h>
 
 #include "gpu_test_util.hpp"
+#include "moerunner/gpu/expert_bands.hpp"
 #include "moerunner/gpu/permute.cuh"
 #include "moerunner/gpu/plan_schedule.cuh"
 #include "moerunner/gpu/routing.cuh"
@@ -623,12 +624,23 @@ TEST_CASE("topk and routing plan captured in a CUDA graph replay to the same bit
 namespace {
 
 // The M-tile schedule of a plan with these expert offsets, written out on the host: the tiles
-// of expert e follow those of the experts before it, each block_m rows but the last.
-std::vector<mr::gpu::moe_m_tile> expect_tiles(const std::vector<std::int32_t>& offsets, int block_m) {
+// of expert e follow those of the experts before it, each block_m rows but the last; with
+// expert_band > 0 each carries its band word (gpu/expert_bands.hpp).
+std::vector<mr::gpu::moe_m_tile> expect_tiles(const std::vector<std::int32_t>& offsets, int block_m,
+                                              int expert_band = 0) {
   std::vector<mr::gpu::moe_m_tile> tiles;
-  for (std::size_t e = 0; e + 1 < offsets.size(); ++e)
+  std::vector<int> first(1, 0);  // each expert's first tile, then the total
+  for (std::size_t e = 0; e + 1 < offsets.size(); ++e) {
     for (std::int32_t begin = offsets[e]; begin < offsets[e + 1]; begin += block_m)
       tiles.push_back({static_cast<std::int32_t>(e), begin, std::min(begin + block_m, offsets[e + 1]), 0});
+    first.push_back(static_cast<int>(tiles.size()));
+  }
+  if (expert_band > 0)
+    for (std::size_t i = 0; i < tiles.size(); ++i) {
+      const auto e = static_cast<std::size_t>(tiles[i].expert);
+      tiles[i].band = mr::gpu::expert_band_word(static_cast<int>(i), first[e], first[e + 1] - first[e],
+                                                static_cast<int>(tiles.size()), expert_band);
+    }
   return tiles;
 }
 
@@ -645,7 +657,7 @@ std::vector<mr::gpu::moe_m_tile> download_tiles(const mr::gpu::moe_m_tile* p, st
 }
 
 bool same_tile(const mr::gpu::moe_m_tile& a, const mr::gpu::moe_m_tile& b) {
-  return a.expert == b.expert && a.row_begin == b.row_begin && a.row_end == b.row_end && a.unused == b.unused;
+  return a.expert == b.expert && a.row_begin == b.row_begin && a.row_end == b.row_end && a.band == b.band;
 }
 
 std::ptrdiff_t byte_offset(const void* p, const void* base) {
@@ -655,7 +667,7 @@ std::ptrdiff_t byte_offset(const void* p, const void* base) {
 // Checks the fused build's plan and schedule against the host: the plan of expect_plan, the
 // tiles of expect_tiles, the tile count, and the tiles past the count left as poisoned.
 void check_plan_and_schedule_against_host(const mr::gpu::plan_and_schedule& got, const std::vector<std::int32_t>& ids,
-                                          int num_experts, int block_m) {
+                                          int num_experts, int block_m, int expert_band = 0) {
   const mr::test::expected_plan want = mr::test::expect_plan(ids, num_experts);
   const std::size_t slots = ids.size();
   CHECK(mr::test::device_plan::download(got.plan.expert_offsets, num_experts + 1) == want.offsets);
@@ -663,7 +675,7 @@ void check_plan_and_schedule_against_host(const mr::gpu::plan_and_schedule& got,
   CHECK(mr::test::device_plan::download(got.plan.slot_to_row, slots) == want.slot_to_row);
   CHECK(mr::test::device_plan::download(got.plan.error_flag, 1)[0] == (want.bad_id ? 1 : 0));
 
-  const std::vector<mr::gpu::moe_m_tile> want_tiles = expect_tiles(want.offsets, block_m);
+  const std::vector<mr::gpu::moe_m_tile> want_tiles = expect_tiles(want.offsets, block_m, expert_band);
   const std::int32_t count = mr::test::device_plan::download(got.schedule.count, 1)[0];
   REQUIRE(count == static_cast<std::int32_t>(want_tiles.size()));
   REQUIRE(got.schedule.capacity >= count);
@@ -673,8 +685,9 @@ void check_plan_and_schedule_against_host(const mr::gpu::plan_and_schedule& got,
     if (same_tile(tiles[i], want_tiles[i])) continue;
     if (++mismatches <= 5)
       MESSAGE("tile " << i << ": got {" << tiles[i].expert << ", " << tiles[i].row_begin << ", " << tiles[i].row_end
-                      << ", " << tiles[i].unused << "} want {" << want_tiles[i].expert << ", "
-                      << want_tiles[i].row_begin << ", " << want_tiles[i].row_end << ", 0}");
+                      << ", " << tiles[i].band << "} want {" << want_tiles[i].expert << ", "
+                      << want_tiles[i].row_begin << ", " << want_tiles[i].row_end << ", " << want_tiles[i].band
+                      << "}");
   }
   CHECK(mismatches == 0);
   const auto tail = download_bytes(got.schedule.tiles + count,
@@ -686,7 +699,8 @@ void check_plan_and_schedule_against_host(const mr::gpu::plan_and_schedule& got,
 // (build_routing_plan_and_schedule) on the same ids, each in workspaces poisoned with 0xff,
 // and checks that both carve the same pieces and write the same bits, and the fused build
 // against the host.
-void check_fused_build(const std::vector<std::int32_t>& ids, std::int64_t m, int k, int num_experts, int block_m) {
+void check_fused_build(const std::vector<std::int32_t>& ids, std::int64_t m, int k, int num_experts, int block_m,
+                       int expert_band = 0) {
   const std::int64_t rows = m * k;
   device_buffer d_ids(ids.size() * sizeof(std::int32_t));
   d_ids.upload(ids);
@@ -702,9 +716,10 @@ void check_fused_build(const std::vector<std::int32_t>& ids, std::int64_t m, int
 
   const mr::gpu::routing_plan plan = mr::gpu::build_routing_plan(view, num_experts, apart_plan.get(), plan_bytes, nullptr);
   const mr::gpu::tile_schedule schedule =
-      mr::gpu::build_tile_schedule(plan, rows, block_m, apart_schedule.get(), schedule_bytes, nullptr);
-  const mr::gpu::plan_and_schedule fused = mr::gpu::build_routing_plan_and_schedule(
-      view, num_experts, block_m, fused_plan.get(), plan_bytes, fused_schedule.get(), schedule_bytes, nullptr);
+      mr::gpu::build_tile_schedule(plan, rows, block_m, apart_schedule.get(), schedule_bytes, nullptr, expert_band);
+  const mr::gpu::plan_and_schedule fused =
+      mr::gpu::build_routing_plan_and_schedule(view, num_experts, block_m, fused_plan.get(), plan_bytes,
+                                               fused_schedule.get(), schedule_bytes, nullptr, false, nullptr, expert_band);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
 
   // The same pieces of the same workspaces.
@@ -721,6 +736,8 @@ void check_fused_build(const std::vector<std::int32_t>& ids, std::int64_t m, int
   CHECK(fused.schedule.capacity == mr::gpu::moe_m_tile_capacity(rows, num_experts, block_m));
   CHECK(fused.schedule.block_m == block_m);
   CHECK(schedule.block_m == block_m);
+  CHECK(fused.schedule.expert_band == expert_band);
+  CHECK(schedule.expert_band == expert_band);
 
   // The same bits, array by array, then every byte of both workspaces (scratch and the
   // unused tiles included).
@@ -737,7 +754,7 @@ void check_fused_build(const std::vector<std::int32_t>& ids, std::int64_t m, int
   CHECK(fused_plan.download<unsigned char>(plan_bytes) == apart_plan.download<unsigned char>(plan_bytes));
   CHECK(fused_schedule.download<unsigned char>(schedule_bytes) == apart_schedule.download<unsigned char>(schedule_bytes));
 
-  check_plan_and_schedule_against_host(fused, ids, num_experts, block_m);
+  check_plan_and_schedule_against_host(fused, ids, num_experts, block_m, expert_band);
 }
 
 // What a call did while `stream` was captured: whether it threw invalid_argument_error (and
@@ -777,6 +794,11 @@ TEST_CASE("routing plan with schedule: bit-identical to the plan and schedule bu
     for (int block_m : {128, 64}) {
       CAPTURE(block_m);
       check_fused_build(ids, s.m, s.k, s.e, block_m);
+      // With band words for expert bands of 1, 3 and 8 tiles.
+      for (int band : {1, 3, 8}) {
+        CAPTURE(band);
+        check_fused_build(ids, s.m, s.k, s.e, block_m, band);
+      }
     }
   });
 }

@@ -103,6 +103,8 @@ struct fp8_settings {
   // The wgmma GEMM2's K splits (>= 1, at most its K tiles: fewer where I has fewer) wherever the
   // plan may split it (not the stream GEMMs, batch-invariant or no-combine runs); unset: its rule.
   std::optional<int> down_k_splits = std::nullopt;
+  // The wgmma GEMMs' raster bands one expert's M tiles each (unset: off; expert_bands.hpp).
+  std::optional<bool> expert_bands = std::nullopt;
 };
 
 struct fp8_plan {
@@ -119,6 +121,7 @@ struct fp8_plan {
   fp8_k_loop k_loop = fp8_k_loop::plain;  // wgmma: how the warpgroups' wgmma and promotions interleave
   int raster_band = fp8_raster_band;   // wgmma: M tiles that walk the N tiles together
   bool hand_out = false;               // wgmma: work items handed out at run time (as fused_plan's)
+  bool expert_bands = false;           // wgmma: raster bands of one expert's M tiles (as fused_plan's)
   int down_k_splits = 1;
   down_store down = down_store::accumulate;
   bool combine_kernel = false;  // a combine kernel sums GEMM2's rows or parts per token afterwards
@@ -130,7 +133,8 @@ struct fp8_plan {
                     (stream ? std::string("stream e4m3")
                             : "wgmma e4m3 " + std::string(fp8_tile_name(tile)) +
                                   (k_loop != fp8_k_loop::plain ? " " + std::string(fp8_k_loop_name(k_loop)) : "") +
-                                  " band " + std::to_string(raster_band) + (hand_out ? " handed out" : "")) +
+                                  (expert_bands ? " expert bands of " : " band ") + std::to_string(raster_band) +
+                                  (hand_out ? " handed out" : "")) +
                     " (schedule tiles of " + std::to_string(schedule_block_m) + " rows" +
                     (schedule_in_gemms ? ", built in the GEMMs" : "") + "), GEMM2 " + std::string(down_store_name(down));
     if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
@@ -213,6 +217,8 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
                hand_out_fits(cfg, slots, p.schedule_block_m, p.down_k_splits, dev.sm_count) &&
                hand_out_offsets_fit(moe_m_tile_capacity(slots, e, p.schedule_block_m) * p.schedule_block_m,
                                     std::max(cfg.hidden_size(), cfg.intermediate_size()));
+
+  p.expert_bands = !p.stream && num_tokens > 0 && settings.expert_bands.value_or(false);
 
   const auto m = static_cast<std::size_t>(num_tokens);
   const auto r = static_cast<std::size_t>(slots);

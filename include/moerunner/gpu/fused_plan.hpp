@@ -71,6 +71,7 @@ struct fused_settings {
   bool plan_in_gemms = true;
   std::optional<bool> gather_a;          // unset: with the 128-row wgmma tiles (prefill), long I
   std::optional<bool> hand_out;          // wgmma work items handed out at run time (unset: off)
+  std::optional<bool> expert_bands = std::nullopt;  // wgmma items in expert bands (unset: off; expert_bands.hpp)
 };
 
 // Whether a wgmma run's work items can be handed out (hand_out_items_fit) in both GEMMs: every
@@ -129,6 +130,9 @@ struct fused_plan {
   // wgmma: the work items handed out at run time, each cluster asking for the next as it starts
   // one (kernels/moerunner/kernels/sm90_work_items.cuh), instead of in fixed turns.
   bool hand_out = false;
+  // wgmma: the M tiles that walk the N tiles together are one expert's (gpu/expert_bands.hpp:
+  // each weight tile from HBM once per expert), not fixed bands that may mix two experts'.
+  bool expert_bands = false;
   fused_workspace workspace;
 
   // One line for an engine's log: what runs and the workspace it takes.
@@ -149,6 +153,7 @@ struct fused_plan {
     s += dependent_launch ? ", dependent launches" : ", plain launches";
     if (gather_a) s += ", A gathered for TMA";
     if (hand_out) s += ", work items handed out";
+    if (expert_bands) s += ", expert bands";
     s += "; workspace " + std::to_string(workspace.total) + " B (act " + std::to_string(workspace.act_bytes) +
          ", rows " + std::to_string(workspace.rows_bytes) + ", gathered x " + std::to_string(workspace.gathered_bytes) +
          ", plan + schedule " +
@@ -282,6 +287,7 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
                settings.gather_a.value_or(large_tiles && cfg.intermediate_size() >= gather_a_min_intermediate);
   p.hand_out = p.family == gemm_family::wgmma && num_tokens > 0 && settings.hand_out.value_or(false) &&
                hand_out_fits(cfg, slots, p.schedule_block_m, p.down_k_splits, dev.sm_count);
+  p.expert_bands = p.family == gemm_family::wgmma && num_tokens > 0 && settings.expert_bands.value_or(false);
   p.workspace = plan_detail::layout(cfg, num_tokens, p.down, p.down_k_splits, p.gather_a, p.combine_in_gemm2);
   return p;
 }

@@ -20,6 +20,7 @@
 
 #include "moerunner/core/error.hpp"
 #include "moerunner/gpu/cuda_check.hpp"
+#include "moerunner/gpu/expert_bands.hpp"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/gpu/routing_plan.hpp"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
@@ -38,6 +39,7 @@ struct tile_schedule {
   // device: [2] work-item counters (GEMM1's, GEMM2's) for wgmma GEMMs whose items are handed
   // out at run time; zeroed with the count (null where the schedule is built in the GEMMs).
   std::int32_t* item_counters = nullptr;
+  int expert_band = 0;  // > 0: the tiles carry band words for expert bands of at most this many tiles
 };
 
 // A schedule's checked arguments and its pieces, carved from the caller's workspace.
@@ -75,15 +77,23 @@ inline tile_schedule_pieces carve_tile_schedule(int num_experts, std::int64_t ro
 }
 
 // Turns the plan's device-side expert offsets into the M-tile list, on the device.
-// `workspace` must be 256-byte aligned and hold tile_schedule_bytes(rows, E, block_m).
+// `workspace` must be 256-byte aligned and hold tile_schedule_bytes(rows, E, block_m). With
+// expert_band > 0 (at most expert_band_max) the tiles carry band words for expert bands of at
+// most that many tiles (expert_bands.hpp).
 inline tile_schedule build_tile_schedule(const routing_plan& plan, std::int64_t rows, int block_m, void* workspace,
-                                         std::size_t bytes, cudaStream_t stream) {
+                                         std::size_t bytes, cudaStream_t stream, int expert_band = 0) {
+  constexpr const char* where = "gpu::build_tile_schedule";
+  MOE_EXPECT(expert_band >= 0 && expert_band <= expert_band_max, where,
+             "expert_band must be in [0, " + std::to_string(expert_band_max) + "], got " + std::to_string(expert_band));
   const tile_schedule_pieces p =
-      carve_tile_schedule(plan.num_experts, rows, block_m, workspace, bytes, "gpu::build_tile_schedule", "workspace");
+      carve_tile_schedule(plan.num_experts, rows, block_m, workspace, bytes, where, "workspace");
   kernels::moe_tile_schedule_kernel<><<<1, kernels::schedule_threads, 0, stream>>>(
-      plan.expert_offsets, plan.num_experts, block_m, p.tiles, p.count, static_cast<int>(p.schedule.capacity));
+      plan.expert_offsets, plan.num_experts, block_m, p.tiles, p.count, static_cast<int>(p.schedule.capacity),
+      expert_band);
   MOE_CUDA_CHECK_LAUNCH("moe_tile_schedule_kernel");
-  return p.schedule;
+  tile_schedule schedule = p.schedule;
+  schedule.expert_band = expert_band;
+  return schedule;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -193,6 +203,7 @@ void check_mma_gemm_launch(const kernels::moe_gemm_params<T>& p, const tile_sche
   MOE_EXPECT(p.k_splits == 1 && p.store != kernels::down_store::partials, where,
              "this grouped GEMM does not split K across CTAs");
   MOE_EXPECT(p.raster_band >= 1, where, "raster_band must be positive");
+  MOE_EXPECT(!p.expert_bands, where, "expert bands are the wgmma GEMMs' order (this GEMM walks fixed bands)");
 }
 
 // A persistent grid over the schedule's (M tile, N tile) items of `cols` output columns: as

@@ -229,10 +229,12 @@ static_assert(check_stream_gemm_tuning(stream_gemm_policy::tuning));
 // adds its parts in another; the batch-invariance test found the bits equal to the wgmma
 // tiles'). Forced only (gemm_tuning_choice::stream_ordered): at decode it measured 1.7-2.3x the
 // split form's time (H100, bench/NOTES.md round 24), slower than the wgmma tiles that
-// batch-invariant runs keep. Sixteen stages (80 KB, two CTAs per SM).
+// batch-invariant runs keep. That was with sixteen stages (80 KB): two CTAs per SM, so two warps
+// issued an SM's copies, and Qwen3-30B-A3B's one-token items (384 and 512) came in 1.5 and 2
+// waves. Eight stages (40 KB) fit five CTAs per SM: 2.5x the warps, and those items in one wave.
 struct stream_gemm_ordered_policy {
   static constexpr stream_gemm_tuning tuning{
-      .block_m = 8, .block_n = 32, .warps = 1, .stages = 16, .min_arch = 80, .raster_band = 8};
+      .block_m = 8, .block_n = 32, .warps = 1, .stages = 8, .min_arch = 80, .raster_band = 8};
 };
 static_assert(check_stream_gemm_tuning(stream_gemm_ordered_policy::tuning));
 // The same rings over e4m3 operands (cuda_fused_fp8 at decode): 128-byte stage rows hold 128
@@ -361,7 +363,7 @@ struct alignas(16) moe_m_tile {
   std::int32_t expert;
   std::int32_t row_begin;
   std::int32_t row_end;
-  std::int32_t unused;
+  std::int32_t band;  // schedules written with expert bands: its band word (expert_bands.hpp); else 0
 };
 
 // Where GEMM2 (down) puts the row of each (token, expert) pair.

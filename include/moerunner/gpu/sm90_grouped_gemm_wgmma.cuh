@@ -213,6 +213,8 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
                         std::to_string(k_splits));
   MOE_EXPECT(p.store != kernels::down_store::partials || p.partials != nullptr, where, "partials is null");
   MOE_EXPECT(p.raster_band >= 1, where, "raster_band must be positive");
+  MOE_EXPECT(!p.expert_bands || schedule.expert_band > 0, where,
+             "expert bands need a schedule written with them (its tiles carry the band words)");
   // One work item per cluster at a time: as many clusters as run at once, or as items.
   const std::int64_t work_bound = schedule.capacity * n_tiles * k_splits;
   const std::int64_t clusters = std::min<std::int64_t>({work_bound, places, 0x7fffffff / tuning.cluster_m});

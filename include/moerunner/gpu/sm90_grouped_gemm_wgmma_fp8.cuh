@@ -116,6 +116,8 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
                  std::to_string(g.k_splits));
   MOE_EXPECT(g.store != kernels::down_store::partials || g.partials != nullptr, where, "partials is null");
   MOE_EXPECT(g.raster_band >= 1, where, "raster_band must be positive");
+  MOE_EXPECT(!g.expert_bands || schedule.expert_band > 0, where,
+             "expert bands need a schedule written with them (its tiles carry the band words)");
   const std::int64_t work_bound = schedule.capacity * n_tiles * g.k_splits;
   const std::int64_t clusters = std::min<std::int64_t>(work_bound, places);
   MOE_EXPECT(!hand_out || hand_out_items_fit(work_bound, clusters), where,

@@ -25,6 +25,7 @@
 
 #include "moerunner/core/config.hpp"
 #include "moerunner/core/types.hpp"
+#include "moerunner/gpu/expert_bands.hpp"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/kernels/activation_math.cuh"
 #include "moerunner/kernels/kernel_tile_schedule.cuh"
@@ -137,6 +138,7 @@ struct moe_gemm_params {
   int n_tiles;                          // ceil(n / output columns per CTA)
   int k_splits = 1;                     // K ranges per tile (GEMM2 with accumulate or partials only)
   int raster_band = 1;                  // M tiles that walk the N tiles together (decode_work_item)
+  bool expert_bands = false;            // the bands are the tiles' band words (a schedule written with them)
   const float* input_weights;           // GEMM1 with apply_router_weight_on_input: topk_weights [M*k]; else null
   activation act;
   bool interleaved = false;             // gate_up: B row 2j is gate j, 2j + 1 up j (else rows j and n + j)
@@ -220,15 +222,28 @@ struct moe_work_item {
   int split;
 };
 
+// The tiles decode_work_item reads band words from: the schedule's where it was written with
+// expert bands, else none (fixed bands).
+template <class T>
+__device__ __forceinline__ const gpu::moe_m_tile* band_tiles_of(const moe_gemm_params<T>& p) {
+  return p.expert_bands ? p.tiles : nullptr;
+}
+
 // Work item w -> tile coordinates. K splits vary fastest, then the M tiles of a band of
 // `band` of them, then N tiles: the CTAs that run together cover one band times a few N tiles,
 // so each weight tile comes from HBM once per band and then from L2. (M tiles outer, N
-// fastest, re-streamed an expert's weights from HBM once per M tile.)
+// fastest, re-streamed an expert's weights from HBM once per M tile.) With band_tiles (the
+// schedule's tiles, written with expert bands) the bands are the tiles' own: one expert's
+// tiles each (gpu/expert_bands.hpp).
 __device__ __forceinline__ moe_work_item decode_work_item(std::int64_t w, int tile_count, int n_tiles, int k_splits,
-                                                          int band) {
+                                                          int band, const gpu::moe_m_tile* band_tiles = nullptr) {
   moe_work_item r;
   r.split = static_cast<int>(w % k_splits);
   const std::int64_t t = w / k_splits;
+  if (band_tiles != nullptr) {
+    gpu::expert_band_coords(t, n_tiles, band_tiles[t / n_tiles].band, r.m_tile, r.n_tile);
+    return r;
+  }
   const std::int64_t per_band = static_cast<std::int64_t>(band) * n_tiles;
   const int first = static_cast<int>(t / per_band) * band;
   const int within = static_cast<int>(t % per_band);

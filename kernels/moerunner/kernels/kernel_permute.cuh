@@ -62,6 +62,7 @@ struct plan_args {
   std::int32_t* tile_count = nullptr;    // the schedule head: tiles used, then the item counters
   int block_m = 0;
   int tile_capacity = 0;
+  int expert_band = 0;  // > 0: the tiles carry band words for expert bands of at most this many tiles
 };
 
 namespace permute_detail {
@@ -236,7 +237,8 @@ __global__ void __launch_bounds__(plan_threads) build_plan_single_tile_kernel(pl
   permute_detail::scatter_slots<ITEMS>(a, 0, s_warp_count, key, rank, valid);
   if (schedule)
     write_m_tiles<plan_threads>(s_first_tile, s_first_row, E, a.block_m,
-                                m_tiles_used(permute_detail::packed_tiles(total), a.tile_capacity), a.tiles);
+                                m_tiles_used(permute_detail::packed_tiles(total), a.tile_capacity), a.tiles,
+                                a.expert_band);
   const int any_bad = __syncthreads_or(bad);
   if (tid == 0) *a.error_flag = any_bad;
   if (any_bad != 0 && a.status != nullptr)  // the same on every thread
@@ -337,7 +339,8 @@ __global__ void __launch_bounds__(plan_scan_threads, 1) plan_scan_kernel(plan_ar
   if (tid == 0) permute_detail::note_schedule_bounds(a, s_first_tile, s_first_row, E, total);
   __syncthreads();
   write_m_tiles<plan_scan_threads>(s_first_tile, s_first_row, E, a.block_m,
-                                   m_tiles_used(permute_detail::packed_tiles(total), a.tile_capacity), a.tiles);
+                                   m_tiles_used(permute_detail::packed_tiles(total), a.tile_capacity), a.tiles,
+                                   a.expert_band);
 }
 
 // Tiled path, step 3 of 3: ranks each tile's slots again and writes both maps.

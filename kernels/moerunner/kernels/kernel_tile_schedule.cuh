@@ -1,7 +1,8 @@
 // Device code of the M-tile schedule the grouped GEMMs walk: the expert-sorted rows of each
 // expert cut into tiles of block_m rows, numbered from the exclusive prefix of
 // ceil(count[e] / block_m) over experts. Empty experts own no tile, so no GEMM CTA ever sees
-// them; tile i is {expert, row_begin, row_end, 0}.
+// them; tile i is {expert, row_begin, row_end, band word} (the word 0 unless the schedule is
+// written with expert bands: gpu/expert_bands.hpp).
 //
 //   moe_tile_schedule_kernel: expert_offsets [E+1] -> M tiles (its own launch)
 //   write_m_tiles: the tile writer it shares with the routing-plan kernels (kernel_permute.cuh),
@@ -17,6 +18,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "moerunner/core/config.hpp"
+#include "moerunner/gpu/expert_bands.hpp"
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 
 namespace moerunner::kernels {
@@ -46,10 +48,12 @@ __device__ __forceinline__ int m_tiles_used(int total, int capacity) { return to
 // Writes tiles [0, used), the block's THREADS threads striding over them. For e in [0, E]
 // first_tile[e] is the exclusive prefix of m_tiles_of over experts (first_tile[E] the total,
 // at least `used`) and first_row[e] the expert's first row (first_row[E] the end of the last);
-// both must be visible to the whole block (shared memory written before a barrier).
+// both must be visible to the whole block (shared memory written before a barrier). With
+// expert_band > 0 each tile carries its band word for expert bands of at most that many tiles.
 template <int THREADS>
 __device__ __forceinline__ void write_m_tiles(const int* first_tile, const int* first_row, int num_experts,
-                                              int block_m, int used, gpu::moe_m_tile* __restrict__ tiles) {
+                                              int block_m, int used, gpu::moe_m_tile* __restrict__ tiles,
+                                              int expert_band = 0) {
   for (int i = static_cast<int>(threadIdx.x); i < used; i += THREADS) {
     // Invariant first_tile[lo] <= i < first_tile[hi]; ends on the one expert with tiles holding i.
     int lo = 0, hi = num_experts;
@@ -61,7 +65,11 @@ __device__ __forceinline__ void write_m_tiles(const int* first_tile, const int* 
     const int begin = first_row[lo] + (i - first_tile[lo]) * block_m;
     const int last = first_row[lo + 1];
     const int end = last - begin < block_m ? last : begin + block_m;
-    tiles[i] = gpu::moe_m_tile{lo, begin, end, 0};
+    const std::int32_t band =
+        expert_band > 0
+            ? gpu::expert_band_word(i, first_tile[lo], first_tile[lo + 1] - first_tile[lo], used, expert_band)
+            : 0;
+    tiles[i] = gpu::moe_m_tile{lo, begin, end, band};
   }
 }
 
@@ -72,7 +80,7 @@ template <int = 0>
 __global__ void __launch_bounds__(schedule_threads)
     moe_tile_schedule_kernel(const std::int32_t* __restrict__ expert_offsets, int num_experts, int block_m,
                              gpu::moe_m_tile* __restrict__ tiles, std::int32_t* __restrict__ tile_count,
-                             int capacity) {
+                             int capacity, int expert_band = 0) {
   using scan_t = cub::BlockScan<int, schedule_threads>;
   __shared__ typename scan_t::TempStorage scan_storage;
   __shared__ int offsets[schedule_max_experts + 1];
@@ -101,7 +109,7 @@ __global__ void __launch_bounds__(schedule_threads)
   }
   __syncthreads();
 
-  write_m_tiles<schedule_threads>(first_tile, offsets, num_experts, block_m, used, tiles);
+  write_m_tiles<schedule_threads>(first_tile, offsets, num_experts, block_m, used, tiles, expert_band);
 }
 
 }  // namespace moerunner::kernels

@@ -147,7 +147,7 @@ struct moe_gemm_wgmma {
     std::uint32_t it = 0;
     for (auto w = items.first(); w < items.work; w = items.next_thread(w)) {
       items.ask();
-      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, p.raster_band);
+      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, p.raster_band, band_tiles_of(p));
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = cta_rows(p.tiles[item.m_tile], me.rank);
       int kt_begin = 0, kt_end = 0;
@@ -180,7 +180,7 @@ struct moe_gemm_wgmma {
     std::uint32_t it = 0;  // K tiles issued so far, over every work item of this CTA
     for (auto w = items.first(); w < items.work; w = items.next_warp(w)) {
       items.ask();
-      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, p.raster_band);
+      const moe_work_item item = decode_work_item(w, tiles, p.n_tiles, p.k_splits, p.raster_band, band_tiles_of(p));
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = cta_rows(p.tiles[item.m_tile], me.rank);
       const int rows = tile.row_end - tile.row_begin;
@@ -279,7 +279,7 @@ struct moe_gemm_wgmma {
     gpu::moe_m_tile next_tile{};
     const auto read_ahead = [&](typename items_t::index next) {
       if (next < work) {
-        next_item = decode_work_item(next, tiles, p.n_tiles, p.k_splits, p.raster_band);
+        next_item = decode_work_item(next, tiles, p.n_tiles, p.k_splits, p.raster_band, band_tiles_of(p));
         next_tile = p.tiles[next_item.m_tile];
       }
     };

@@ -243,7 +243,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     ring_slot<stages> slot;
     for (auto w = items.first(); w < items.work; w = items.next_warp(w)) {
       items.ask();
-      const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
+      const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band, band_tiles_of(g));
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = cluster_cta_rows<Cluster, bm>(g.tiles[item.m_tile], me.rank);
       int kt_begin = 0, kt_end = 0;
@@ -353,7 +353,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     // Handed out, the next item is read as the loop goes on to it: by then the producer has
     // issued this item's K tiles, and with them published the next.
     for (auto w = items.first(); w < items.work; w = items.next_warp(w)) {
-      const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band);
+      const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band, band_tiles_of(g));
       const int n0 = item.n_tile * out_cols;
       const gpu::moe_m_tile tile = cluster_cta_rows<Cluster, bm>(g.tiles[item.m_tile], me.rank);
       const int rows = tile.row_end - tile.row_begin;

@@ -87,8 +87,9 @@ class cuda_fused_fp8_policy {
     return gpu::make_fp8_plan(cfg_, num_tokens, dev, settings_);
   }
   // Force the stream GEMMs, pairs or fours of wgmma CTAs or 128-row wgmma CTAs on or off, the wgmma
-  // GEMMs' K loop or raster band, their work items handed out at run time, or GEMM2's K splits
-  // (unset: the plan's rules), for measuring one against the other (gpu::fp8_settings).
+  // GEMMs' K loop or raster band (or bands of one expert's tiles), their work items handed out at
+  // run time, or GEMM2's K splits (unset: the plan's rules), for measuring one against the other
+  // (gpu::fp8_settings).
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
   void set_quads(std::optional<bool> on) noexcept { settings_.quads = on; }
@@ -99,6 +100,7 @@ class cuda_fused_fp8_policy {
   // or run.)
   void set_raster_band(std::optional<int> band) noexcept { settings_.raster_band = band; }
   void set_down_k_splits(std::optional<int> splits) noexcept { settings_.down_k_splits = splits; }
+  void set_expert_bands(std::optional<bool> on) noexcept { settings_.expert_bands = on; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
@@ -196,7 +198,7 @@ class cuda_fused_fp8_policy {
     } else {
       const gpu::plan_and_schedule built = gpu::build_routing_plan_and_schedule(
           d.topk.topk_ids, experts, pl.schedule_block_m, base + lay.plan, lay.plan_bytes, base + lay.schedule,
-          lay.schedule_bytes, stream, false, d.status);
+          lay.schedule_bytes, stream, false, d.status, pl.expert_bands ? pl.raster_band : 0);
       plan = built.plan;
       schedule = built.schedule;
     }
@@ -273,6 +275,7 @@ class cuda_fused_fp8_policy {
       g1.g.item_counter = schedule.item_counters;
       g2.g.item_counter = schedule.item_counters + 1;
     }
+    g1.g.expert_bands = g2.g.expert_bands = pl.expert_bands;
     if (pl.stream) {
       run_stream(g1, g2, q, pl, schedule, base, dev, stream);
     } else {

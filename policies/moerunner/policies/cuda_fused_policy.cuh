@@ -140,6 +140,9 @@ class cuda_fused_policy {
   // Whether the wgmma GEMMs hand their work items out at run time (each cluster asks for the
   // next as it starts one) instead of in fixed turns; unset, off (gpu::fused_plan::hand_out).
   void set_hand_out(std::optional<bool> on) noexcept { settings_.hand_out = on; }
+  // Whether the wgmma GEMMs' raster bands are one expert's M tiles each (at most the raster
+  // band) instead of fixed runs of tiles; unset, off (gpu::fused_plan::expert_bands).
+  void set_expert_bands(std::optional<bool> on) noexcept { settings_.expert_bands = on; }
   // The stream GEMMs' use of L2 (gpu::stream_l2_use; the defaults measured fastest), for
   // measuring it.
   void set_stream_l2(const gpu::stream_l2_use& use) {
@@ -330,7 +333,8 @@ class cuda_fused_policy {
     } else {
       const gpu::plan_and_schedule built = gpu::build_routing_plan_and_schedule(
           d.topk.topk_ids, cfg_.num_local_experts(), tuning.schedule_block_m(), base + lay.plan, lay.plan_bytes,
-          base + lay.schedule, lay.schedule_bytes, stream, dependent, d.status);
+          base + lay.schedule, lay.schedule_bytes, stream, dependent, d.status,
+          pl.expert_bands ? raster_band<GemmPolicy>() : 0);
       plan = built.plan;
       schedule = built.schedule;
     }
@@ -395,6 +399,7 @@ class cuda_fused_policy {
       g1.item_counter = schedule.item_counters;
       g2.item_counter = schedule.item_counters + 1;
     }
+    g1.expert_bands = g2.expert_bands = pl.expert_bands;
     // Deterministic split-K: f32 parts per split, summed in split order by combine.
     gpu::set_down_store(g2, pl.down, base + lay.rows, slots, out, row_weights, scale);
     if (pl.combine_in_gemm2) {
