@@ -51,9 +51,14 @@ struct tile_schedule_pieces {
 
 // Checks the arguments of a schedule for `rows` rows over num_experts experts (errors name
 // `where` and call the workspace `name`) and carves it from `workspace`: the tile count (and
-// the item counters after it), then the tiles, each in its own 256-byte piece. Launches nothing.
+// the item counters after it), then the tiles, each in its own 256-byte piece. With
+// expert_band > 0 (at most expert_band_max) the schedule is to carry band words for expert
+// bands of at most that many tiles (expert_bands.hpp). Launches nothing.
 inline tile_schedule_pieces carve_tile_schedule(int num_experts, std::int64_t rows, int block_m, void* workspace,
-                                                std::size_t bytes, const char* where, const char* name) {
+                                                std::size_t bytes, const char* where, const char* name,
+                                                int expert_band = 0) {
+  MOE_EXPECT(expert_band >= 0 && expert_band <= expert_band_max, where,
+             "expert_band must be in [0, " + std::to_string(expert_band_max) + "], got " + std::to_string(expert_band));
   MOE_EXPECT(num_experts >= 1 && num_experts <= kernels::schedule_max_experts, where,
              "the plan must have between 1 and " + std::to_string(kernels::schedule_max_experts) +
                  " experts, got " + std::to_string(num_experts));
@@ -72,28 +77,22 @@ inline tile_schedule_pieces carve_tile_schedule(int num_experts, std::int64_t ro
   tile_schedule_pieces p;
   p.count = reinterpret_cast<std::int32_t*>(base);
   p.tiles = reinterpret_cast<moe_m_tile*>(base + plan_piece_bytes(schedule_head_words * sizeof(std::int32_t)));
-  p.schedule = {p.tiles, p.count, capacity, block_m, p.count + 1};
+  p.schedule = {p.tiles, p.count, capacity, block_m, p.count + 1, expert_band};
   return p;
 }
 
 // Turns the plan's device-side expert offsets into the M-tile list, on the device.
-// `workspace` must be 256-byte aligned and hold tile_schedule_bytes(rows, E, block_m). With
-// expert_band > 0 (at most expert_band_max) the tiles carry band words for expert bands of at
-// most that many tiles (expert_bands.hpp).
+// `workspace` must be 256-byte aligned and hold tile_schedule_bytes(rows, E, block_m);
+// expert_band as carve_tile_schedule's.
 inline tile_schedule build_tile_schedule(const routing_plan& plan, std::int64_t rows, int block_m, void* workspace,
                                          std::size_t bytes, cudaStream_t stream, int expert_band = 0) {
-  constexpr const char* where = "gpu::build_tile_schedule";
-  MOE_EXPECT(expert_band >= 0 && expert_band <= expert_band_max, where,
-             "expert_band must be in [0, " + std::to_string(expert_band_max) + "], got " + std::to_string(expert_band));
-  const tile_schedule_pieces p =
-      carve_tile_schedule(plan.num_experts, rows, block_m, workspace, bytes, where, "workspace");
+  const tile_schedule_pieces p = carve_tile_schedule(plan.num_experts, rows, block_m, workspace, bytes,
+                                                     "gpu::build_tile_schedule", "workspace", expert_band);
   kernels::moe_tile_schedule_kernel<><<<1, kernels::schedule_threads, 0, stream>>>(
       plan.expert_offsets, plan.num_experts, block_m, p.tiles, p.count, static_cast<int>(p.schedule.capacity),
       expert_band);
   MOE_CUDA_CHECK_LAUNCH("moe_tile_schedule_kernel");
-  tile_schedule schedule = p.schedule;
-  schedule.expert_band = expert_band;
-  return schedule;
+  return p.schedule;
 }
 
 // ---------------------------------------------------------------------------------------------

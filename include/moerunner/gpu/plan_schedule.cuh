@@ -10,13 +10,10 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 #include <cuda_runtime_api.h>
 
-#include "moerunner/core/error.hpp"
 #include "moerunner/core/tensor_view.hpp"
-#include "moerunner/gpu/expert_bands.hpp"
 #include "moerunner/gpu/grouped_gemm.cuh"
 #include "moerunner/gpu/permute.cuh"
 #include "moerunner/gpu/routing_plan.hpp"
@@ -35,20 +32,19 @@ struct plan_and_schedule {
 // plan_single_tile_slots slots, three above. M = 0 still writes the offsets, the flag and a
 // zero tile count. With dependent_launch the one-block kernel is a programmatic dependent
 // of the kernel before it (gpu::launch_dependent). Bad ids are added to `status` as
-// build_routing_plan does. expert_band: as build_tile_schedule's.
+// build_routing_plan does. expert_band: as carve_tile_schedule's.
 inline plan_and_schedule build_routing_plan_and_schedule(const tensor_view& topk_ids, int num_experts, int block_m,
                                                          void* plan_workspace, std::size_t plan_bytes,
                                                          void* schedule_workspace, std::size_t schedule_bytes,
                                                          cudaStream_t stream, bool dependent_launch = false,
                                                          moe_status* status = nullptr, int expert_band = 0) {
   constexpr const char* where = "gpu::build_routing_plan_and_schedule";
-  MOE_EXPECT(expert_band >= 0 && expert_band <= expert_band_max, where,
-             "expert_band must be in [0, " + std::to_string(expert_band_max) + "], got " + std::to_string(expert_band));
   plan_detail::plan_build b =
       plan_detail::prepare_routing_plan(topk_ids, num_experts, plan_workspace, plan_bytes, where, "plan_workspace");
   const std::int64_t rows = b.plan.num_tokens * b.plan.top_k;
   const tile_schedule_pieces s =
-      carve_tile_schedule(num_experts, rows, block_m, schedule_workspace, schedule_bytes, where, "schedule_workspace");
+      carve_tile_schedule(num_experts, rows, block_m, schedule_workspace, schedule_bytes, where, "schedule_workspace",
+                          expert_band);
   b.args.tiles = s.tiles;
   b.args.tile_count = s.count;
   b.args.block_m = block_m;
@@ -56,9 +52,7 @@ inline plan_and_schedule build_routing_plan_and_schedule(const tensor_view& topk
   b.args.status = status;
   b.args.expert_band = expert_band;
   plan_detail::launch_routing_plan(b.args, stream, dependent_launch);
-  tile_schedule schedule = s.schedule;
-  schedule.expert_band = expert_band;
-  return {b.plan, schedule};
+  return {b.plan, s.schedule};
 }
 
 }  // namespace moerunner::gpu
