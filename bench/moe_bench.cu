@@ -32,7 +32,8 @@
 // in pairs of CTAs (cuda_fused_fp8_pairs_overlap, cuda_fused_fp8_pairs_stagger),
 // cuda_fused_fp8_band16 and cuda_fused_fp8_overlap_band16 (raster bands of 16 M tiles, not 8),
 // cuda_fused_fp8_quads (fours of CTAs on 256-row tiles wherever the stream GEMMs are not taken),
-// cuda_fused_fp8_down_split3 (the wgmma GEMM2's K in 3 splits wherever the plan may split it).
+// cuda_fused_fp8_down_split3 (the wgmma GEMM2's K in 3 splits wherever the plan may split it),
+// cuda_fused_fp8_det (deterministic: GEMM2 writes rows that the combine kernel sums).
 // With the wgmma GEMMs' work items handed out at run time (set_hand_out): cuda_fused_handed_out,
 // cuda_fused_m128x2_handed_out, cuda_fused_fp8_handed_out, cuda_fused_fp8_single_handed_out and
 // cuda_fused_fp8_pairs_handed_out, each the row of the same name without the suffix otherwise.
@@ -215,6 +216,8 @@ constexpr backend_variant backend_variants[] = {
      .deterministic = false, .by_default = false, .fp8_quads = true},
     {.label = "cuda_fused_fp8_down_split3", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .fp8_down_k_splits = 3},
+    {.label = "cuda_fused_fp8_det", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = true, .by_default = false},
     {.label = "cuda_fused_expert_bands", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .expert_bands = true},
     {.label = "cuda_fused_fp8_expert_bands", .backend = "cuda_fused_fp8",
