@@ -560,6 +560,32 @@ TEST_CASE("fp8 plan: the overlapped K loop unless asked otherwise, the raster ba
   CHECK_THROWS_AS(forced(mixtral(), 64, {.raster_band = -2}), moerunner::invalid_argument_error);
 }
 
+TEST_CASE("fp8 plan: GEMM2 writes rows for the combine kernel up to twice the 16-bit K, from as many slots") {
+  // DeepSeek-V3 (I = 2048): rows in e4m3, the reductions in 16 bits.
+  const g::fp8_plan ds = fp8_plan_of(deepseek(), 4096);
+  CHECK(ds.down == g::down_store::rows);
+  CHECK(ds.combine_kernel);
+  CHECK_FALSE(ds.clear_in_gemm1);
+  CHECK(ds.workspace.rows_bytes >= std::size_t{4096} * 8 * 7168 * 2);
+  check_fp8_layout(ds, deepseek());
+  CHECK(plan_of(deepseek(), 4096).down == g::down_store::accumulate);
+  CHECK(ds.describe().find("GEMM2 " + std::string(g::down_store_name(g::down_store::rows)) + " + combine kernel") !=
+        std::string::npos);
+  // The bound is inclusive, in K; below 4096 slots (DeepSeek-V3: 512 tokens) the reductions stay.
+  moe_config_params at = deepseek();
+  at.intermediate_size = g::fp8_rows_store_max_intermediate;
+  CHECK(g::fp8_rows_store_max_intermediate == 2 * g::plan_detail::rows_store_max_intermediate);
+  CHECK(fp8_plan_of(at, 512).down == g::down_store::rows);
+  CHECK(fp8_plan_of(at, 511).down != g::down_store::rows);
+  at.intermediate_size += g::fp8_group_size;
+  CHECK(fp8_plan_of(at, 512).down == g::down_store::accumulate);
+  CHECK(fp8_plan_of(mixtral(), 16384).down == g::down_store::accumulate);  // I = 14336
+  CHECK(fp8_plan_of(qwen3(), 512).down == g::down_store::rows);            // as in 16 bits
+  // The stream GEMMs keep the reductions (decode; forced here at a prefill count).
+  CHECK(g::make_fp8_plan(MoeRunnerConfig(deepseek()), 4096, h200, {.stream = true}).down ==
+        g::down_store::accumulate);
+}
+
 TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
   moe_config_params det = mixtral();
   det.deterministic = true;

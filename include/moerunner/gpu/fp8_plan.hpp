@@ -67,6 +67,15 @@ enum class fp8_k_loop : std::uint8_t { plain, overlap, stagger };
 inline constexpr const char* fp8_k_loop_name(fp8_k_loop l) {
   return l == fp8_k_loop::plain ? "plain" : l == fp8_k_loop::overlap ? "overlapped" : "staggered";
 }
+// GEMM2 writes rows for the combine kernel, instead of adding each into its token's output row,
+// up to twice the 16-bit GEMMs' K (plan_detail::rows_store_max_intermediate), from as many
+// slots. The additions cost the same per item in either format, while the e4m3 main loop takes
+// about half as long, so they weigh about as much at twice the K. Measured on an H100 in one run
+// (bench/NOTES.md, round 25): rows 4% faster at DeepSeek-V3 4096 tokens and 6% at 16384 (I =
+// 2048; GEMM2 7.03 ms against 5.29 + 0.84 for the combine, its reductions missing L2 on 235 MB
+// of output), Mixtral-8x7B (I = 14336) 3% faster and 1% slower. It costs M*k*H*2 workspace
+// bytes, as the engines' Triton path allocates for its own sum.
+inline constexpr int fp8_rows_store_max_intermediate = 2 * plan_detail::rows_store_max_intermediate;
 // M tiles per raster band (decode_work_item): the 16-bit wgmma tunings' unless asked otherwise.
 inline constexpr int fp8_raster_band = sm90_wgmma_gemm_policy::tuning.raster_band;
 
@@ -150,8 +159,9 @@ struct fp8_plan {
 };
 
 // The plan of one run over num_tokens tokens on `dev` (its SM count sets GEMM2's K splits).
-// GEMM2 stores as cuda_fused's wgmma GEMM2 does (plan_detail::store_mode); the input rows are
-// quantized into the workspace first, so GEMM1 may clear the output even when it aliases x.
+// GEMM2 stores by cuda_fused's rule (plan_detail::store_mode) with rows up to a longer K
+// (fp8_rows_store_max_intermediate); the input rows are quantized into the workspace first, so
+// GEMM1 may clear the output even when it aliases x.
 inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_tokens, const device_target& dev,
                               const fp8_settings& settings = {}) {
   fp8_plan p;
@@ -198,7 +208,8 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
     p.raster_band = *settings.raster_band;
   }
   const down_store store =
-      plan_detail::store_mode(cfg, p.stream ? gemm_family::stream : gemm_family::wgmma, slots);
+      plan_detail::store_mode(cfg, p.stream ? gemm_family::stream : gemm_family::wgmma, slots,
+                              fp8_rows_store_max_intermediate);
   if (settings.down_k_splits && *settings.down_k_splits < 1)
     throw invalid_argument_error("make_fp8_plan: down_k_splits must be positive, got " +
                                  std::to_string(*settings.down_k_splits));

@@ -180,11 +180,13 @@ inline constexpr int rows_store_max_intermediate = 1024;
 inline constexpr std::int64_t rows_store_min_slots = 4096;
 
 // Where GEMM2 puts its rows before any K split: its token's slot (no_combine), a rows buffer the
-// combine kernel sums in slot order (deterministic, or where that pays), or added into the output.
-inline down_store store_mode(const MoeRunnerConfig& cfg, gemm_family family, std::int64_t slots) {
+// combine kernel sums in slot order (deterministic, or where that pays: K up to
+// rows_max_intermediate), or added into the output.
+inline down_store store_mode(const MoeRunnerConfig& cfg, gemm_family family, std::int64_t slots,
+                             int rows_max_intermediate = rows_store_max_intermediate) {
   if (cfg.no_combine()) return down_store::slots;
   if (cfg.deterministic()) return down_store::rows;
-  const bool rows_pay = family == gemm_family::wgmma && cfg.intermediate_size() <= rows_store_max_intermediate &&
+  const bool rows_pay = family == gemm_family::wgmma && cfg.intermediate_size() <= rows_max_intermediate &&
                         slots >= rows_store_min_slots;
   return rows_pay ? down_store::rows : down_store::accumulate;
 }
