@@ -108,8 +108,28 @@ def read_ceilings(jsonl, who):
 
 def add_common_args(ap):
     ap.add_argument("--jsonl", required=True, help="results file from moe_bench; its first line holds the ceilings")
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
+                    help="named shapes, and shapes the bench does not name as NAME:E:K:H:I (as moe_bench takes)")
     ap.add_argument("--tokens", default=",".join(str(t) for t in TOKENS))
+
+
+def wanted_shapes(spec):
+    """The (name, E, k, H, I) shapes a --shapes value asks for: the named ones in SHAPES' order,
+    then each NAME:E:K:H:I in the order given."""
+    items = [s for s in spec.split(",") if s]
+    shapes = [s for s in SHAPES if s[0] in items]
+    for item in items:
+        if ":" not in item:
+            continue
+        fields = item.split(":")
+        try:
+            name, (e, k, h, inter) = fields[0], map(int, fields[1:])
+        except ValueError:
+            sys.exit(f"a shape is NAME:E:K:H:I with integers, got {item}")
+        if not name or e <= 0 or not 0 < k <= e or h <= 0 or inter <= 0:
+            sys.exit(f"a shape needs E, H, I > 0 and 0 < K <= E, got {item}")
+        shapes.append((name, e, k, h, inter))
+    return shapes
 
 
 def run_cells(args, backend, make_call, *, captured=True, time_routing=False, extra=None, stream=None,
@@ -132,7 +152,6 @@ def run_cells(args, backend, make_call, *, captured=True, time_routing=False, ex
         gemm_fps = weight_format.flops_per_s
         reference = weight_format.reference
     dev = torch.device("cuda")
-    wanted = set(args.shapes.split(","))
     tokens_list = [int(t) for t in args.tokens.split(",") if t]
     gen = torch.Generator(device=dev).manual_seed(1234)
     stream = stream or torch.cuda.Stream()
@@ -140,9 +159,7 @@ def run_cells(args, backend, make_call, *, captured=True, time_routing=False, ex
     print(f"{'backend':<24} {'shape':<15} {'tokens':>6} {'ms':>10} {'floor_ms':>10} {'floor%':>7} "
           f"{'TFLOP/s':>9} {'GB/s':>9} {'max_rel_err':>11} {'routing_ms':>10} timing")
     with open(args.jsonl, "a") as out_file:
-        for name, e, k, h, inter in SHAPES:
-            if name not in wanted:
-                continue
+        for name, e, k, h, inter in wanted_shapes(args.shapes):
             w13 = uniform_(torch.empty((e, 2 * inter, h), device=dev, dtype=torch.bfloat16), 2.0 / math.sqrt(h), gen)
             w2 = uniform_(torch.empty((e, h, inter), device=dev, dtype=torch.bfloat16), 2.0 / math.sqrt(inter), gen)
             if weight_format is not None:

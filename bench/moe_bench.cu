@@ -2,7 +2,7 @@
 // the ceilings of the GPU it runs on, measured in the same process.
 //
 //   moe_bench --out results.jsonl --commit $(git rev-parse --short HEAD)
-//             [--shapes Mixtral-8x7B,DeepSeek-V3,Qwen3-30B-A3B] [--tokens 1,8,64,512,4096,16384]
+//             [--shapes Mixtral-8x7B,DeepSeek-V3,Qwen3-30B-A3B,NAME:E:K:H:I] [--tokens 1,8,64,512,4096,16384]
 //             [--backends cuda_fused,cublas_grouped,cuda_fused_det,...] [--once]
 //
 // Rows: every built-in GPU backend with its defaults, plus variants of cuda_fused:
@@ -33,7 +33,9 @@
 // cuda_fused_fp8_band16 and cuda_fused_fp8_overlap_band16 (raster bands of 16 M tiles, not 8),
 // cuda_fused_fp8_quads (fours of CTAs on 256-row tiles wherever the stream GEMMs are not taken),
 // cuda_fused_fp8_down_split3 (the wgmma GEMM2's K in 3 splits wherever the plan may split it),
-// cuda_fused_fp8_det (deterministic: GEMM2 writes rows that the combine kernel sums).
+// cuda_fused_fp8_det (deterministic: GEMM2 writes rows that the combine kernel sums),
+// cuda_fused_fp8_rows and cuda_fused_fp8_reduce (GEMM2's rows for the combine kernel, or its
+// reductions into the output, forced wherever the run may take either).
 // With the wgmma GEMMs' work items handed out at run time (set_hand_out): cuda_fused_handed_out,
 // cuda_fused_m128x2_handed_out, cuda_fused_fp8_handed_out, cuda_fused_fp8_single_handed_out and
 // cuda_fused_fp8_pairs_handed_out, each the row of the same name without the suffix otherwise.
@@ -147,6 +149,7 @@ struct backend_variant {
   std::optional<bool> fp8_quads = std::nullopt;  // cuda_fused_fp8: fours of wgmma CTAs (unset: the plan's)
   std::optional<int> fp8_down_k_splits = std::nullopt;  // cuda_fused_fp8: GEMM2's K splits (unset: the plan's)
   std::optional<bool> expert_bands = std::nullopt;  // wgmma raster bands of one expert's tiles (unset: the plan's)
+  std::optional<bool> fp8_down_rows = std::nullopt;  // cuda_fused_fp8: GEMM2's rows or reductions (unset: the plan's)
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -218,6 +221,10 @@ constexpr backend_variant backend_variants[] = {
      .deterministic = false, .by_default = false, .fp8_down_k_splits = 3},
     {.label = "cuda_fused_fp8_det", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = true, .by_default = false},
+    {.label = "cuda_fused_fp8_rows", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .fp8_down_rows = true},
+    {.label = "cuda_fused_fp8_reduce", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .fp8_down_rows = false},
     {.label = "cuda_fused_expert_bands", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .expert_bands = true},
     {.label = "cuda_fused_fp8_expert_bands", .backend = "cuda_fused_fp8",
@@ -739,6 +746,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           if (variant->raster_band > 0) core.set_raster_band(variant->raster_band);
           core.set_hand_out(variant->hand_out);
           core.set_expert_bands(variant->expert_bands);
+          core.set_down_rows(variant->fp8_down_rows);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }
@@ -803,10 +811,34 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
 struct options {
   std::string out_path = "moe_bench.jsonl";
   std::string commit = "unknown";
-  std::vector<std::string> shapes, backends;
+  std::vector<std::string> shapes, backends;  // shapes: the named ones asked for
+  bool shapes_given = false;
+  std::vector<shape_desc> extra_shapes;  // asked for as NAME:E:K:H:I
   std::vector<int> tokens = default_tokens;
   bool once = false;  // one run per cell, no timing, no ceilings: for running under a profiler
 };
+
+// A shape the bench does not name, NAME:E:K:H:I (experts, top-k, hidden, intermediate).
+shape_desc parse_shape(const std::string& spec) {
+  std::vector<std::string> f;
+  std::size_t at = 0;
+  for (std::size_t colon; (colon = spec.find(':', at)) != std::string::npos; at = colon + 1)
+    f.push_back(spec.substr(at, colon - at));
+  f.push_back(spec.substr(at));
+  shape_desc sh{};
+  try {
+    if (f.size() != 5 || f[0].empty()) throw std::invalid_argument("fields");
+    sh = {f[0], std::stoi(f[1]), std::stoi(f[2]), std::stoi(f[3]), std::stoi(f[4])};
+  } catch (const std::exception&) {
+    std::fprintf(stderr, "moe_bench: a shape is NAME:E:K:H:I with positive integers, got %s\n", spec.c_str());
+    std::exit(2);
+  }
+  if (sh.e <= 0 || sh.k <= 0 || sh.k > sh.e || sh.h <= 0 || sh.i <= 0) {
+    std::fprintf(stderr, "moe_bench: a shape needs E, H, I > 0 and 0 < K <= E, got %s\n", spec.c_str());
+    std::exit(2);
+  }
+  return sh;
+}
 
 options parse_args(int argc, char** argv) {
   options o;
@@ -815,7 +847,13 @@ options parse_args(int argc, char** argv) {
     const auto value = [&] { return option_value(a, argc, argv, "moe_bench"); };
     if (arg == "--out") o.out_path = value();
     else if (arg == "--commit") o.commit = value();
-    else if (arg == "--shapes") o.shapes = split(value());
+    else if (arg == "--shapes") {
+      o.shapes_given = true;
+      for (const auto& item : split(value())) {
+        if (item.find(':') != std::string::npos) o.extra_shapes.push_back(parse_shape(item));
+        else o.shapes.push_back(item);
+      }
+    }
     else if (arg == "--backends") o.backends = split(value());
     else if (arg == "--once") o.once = true;
     else if (arg == "--tokens") {
@@ -823,7 +861,7 @@ options parse_args(int argc, char** argv) {
       for (const auto& t : split(value())) o.tokens.push_back(std::stoi(t));
     } else {
       std::fprintf(stderr,
-                   "usage: moe_bench [--out FILE.jsonl] [--commit SHA] [--shapes A,B] [--tokens 1,8,...] "
+                   "usage: moe_bench [--out FILE.jsonl] [--commit SHA] [--shapes A,B,NAME:E:K:H:I] [--tokens 1,8,...] "
                    "[--backends cuda_fused,cublas_grouped,cuda_fused_det,cuda_fused_mma] [--once]\n");
       std::exit(arg == "--help" || arg == "-h" ? 0 : 2);
     }
@@ -854,8 +892,9 @@ int main(int argc, char** argv) {
   }
   std::vector<shape_desc> shapes;
   for (const auto& sh : default_shapes)
-    if (opt.shapes.empty() || std::find(opt.shapes.begin(), opt.shapes.end(), sh.name) != opt.shapes.end())
+    if (!opt.shapes_given || std::find(opt.shapes.begin(), opt.shapes.end(), sh.name) != opt.shapes.end())
       shapes.push_back(sh);
+  shapes.insert(shapes.end(), opt.extra_shapes.begin(), opt.extra_shapes.end());
 
   std::ofstream jsonl(opt.out_path);
   if (!jsonl) {

@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from bench_common import SHAPES, add_common_args, read_ceilings, run_cells
+from bench_common import add_common_args, read_ceilings, run_cells, wanted_shapes
 from sglang_triton import MODES, load_peer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,7 +115,7 @@ def binding_overhead(runner, e, k, h, inter, iters):
 
 def run_package(args, moerunner):
     """The moerunner_py rows. Returns the count of failed cells."""
-    wanted = [s for s in SHAPES if s[0] in set(args.shapes.split(","))]
+    wanted = wanted_shapes(args.shapes)
     tokens = [int(t) for t in args.tokens.split(",") if t]
     # run_cells asks for a shape's extra fields once per cell, shapes then tokens in order:
     # that order names the cell, for the plan of the run.

@@ -584,6 +584,37 @@ TEST_CASE("fp8 plan: GEMM2 writes rows for the combine kernel up to twice the 16
   // The stream GEMMs keep the reductions (decode; forced here at a prefill count).
   CHECK(g::make_fp8_plan(MoeRunnerConfig(deepseek()), 4096, h200, {.stream = true}).down ==
         g::down_store::accumulate);
+
+  // Forced either way where the run may do either; the workspace follows.
+  const auto forced = [](const moe_config_params& c, std::int64_t m, g::fp8_settings s) {
+    const g::fp8_plan p = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, s);
+    check_fp8_layout(p, c);
+    return p;
+  };
+  const g::fp8_plan reduced = forced(deepseek(), 4096, {.down_rows = false});
+  CHECK(reduced.down == g::down_store::accumulate);
+  CHECK_FALSE(reduced.combine_kernel);
+  CHECK(reduced.clear_in_gemm1);
+  CHECK(reduced.workspace.rows_bytes == 0);
+  const g::fp8_plan rows_mixtral = forced(mixtral(), 16384, {.down_rows = true});
+  CHECK(rows_mixtral.down == g::down_store::rows);
+  CHECK(rows_mixtral.combine_kernel);
+  CHECK(forced(qwen3(), 511, {.down_rows = true}).down == g::down_store::rows);  // below 4096 slots too
+  // Deterministic, batch-invariant and no_combine runs, and the stream GEMMs, keep their store.
+  moe_config_params det = deepseek();
+  det.deterministic = true;
+  CHECK(forced(det, 4096, {.down_rows = false}).down == g::down_store::rows);
+  moe_config_params inv = deepseek();
+  inv.batch_invariant = true;
+  CHECK(forced(inv, 4096, {.down_rows = false}).down == g::down_store::rows);
+  moe_config_params nc = deepseek();
+  nc.no_combine = true;
+  CHECK(forced(nc, 4096, {.down_rows = true}).down == g::down_store::slots);
+  CHECK(forced(deepseek(), 4096, {.stream = true, .down_rows = true}).down == g::down_store::accumulate);
+  // Rows forced where GEMM2's K is split at decode become its f32 parts.
+  const g::fp8_plan split_rows = forced(mixtral(), 1, {.stream = false, .down_k_splits = 3, .down_rows = true});
+  CHECK(split_rows.down == g::down_store::partials);
+  CHECK(split_rows.combine_kernel);
 }
 
 TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {

@@ -114,6 +114,10 @@ struct fp8_settings {
   std::optional<int> down_k_splits = std::nullopt;
   // The wgmma GEMMs' raster bands one expert's M tiles each (unset: off; expert_bands.hpp).
   std::optional<bool> expert_bands = std::nullopt;
+  // The wgmma GEMM2 writes rows for the combine kernel (true) or adds them into the output
+  // (false) where the run may do either (not deterministic, batch-invariant or no_combine runs,
+  // nor the stream GEMMs); unset: fp8_rows_store_max_intermediate's rule.
+  std::optional<bool> down_rows = std::nullopt;
 };
 
 struct fp8_plan {
@@ -207,9 +211,11 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
                                    std::to_string(*settings.raster_band));
     p.raster_band = *settings.raster_band;
   }
-  const down_store store =
-      plan_detail::store_mode(cfg, p.stream ? gemm_family::stream : gemm_family::wgmma, slots,
-                              fp8_rows_store_max_intermediate);
+  down_store store = plan_detail::store_mode(cfg, p.stream ? gemm_family::stream : gemm_family::wgmma, slots,
+                                             fp8_rows_store_max_intermediate);
+  if (settings.down_rows && !p.stream && (store == down_store::rows || store == down_store::accumulate) &&
+      !cfg.deterministic() && !cfg.batch_invariant())
+    store = *settings.down_rows ? down_store::rows : down_store::accumulate;
   if (settings.down_k_splits && *settings.down_k_splits < 1)
     throw invalid_argument_error("make_fp8_plan: down_k_splits must be positive, got " +
                                  std::to_string(*settings.down_k_splits));

@@ -88,8 +88,8 @@ class cuda_fused_fp8_policy {
   }
   // Force the stream GEMMs, pairs or fours of wgmma CTAs or 128-row wgmma CTAs on or off, the wgmma
   // GEMMs' K loop or raster band (or bands of one expert's tiles), their work items handed out at
-  // run time, or GEMM2's K splits (unset: the plan's rules), for measuring one against the other
-  // (gpu::fp8_settings).
+  // run time, GEMM2's K splits, or its rows for the combine kernel against its reductions into
+  // the output (unset: the plan's rules), for measuring one against the other (gpu::fp8_settings).
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
   void set_quads(std::optional<bool> on) noexcept { settings_.quads = on; }
@@ -101,6 +101,7 @@ class cuda_fused_fp8_policy {
   void set_raster_band(std::optional<int> band) noexcept { settings_.raster_band = band; }
   void set_down_k_splits(std::optional<int> splits) noexcept { settings_.down_k_splits = splits; }
   void set_expert_bands(std::optional<bool> on) noexcept { settings_.expert_bands = on; }
+  void set_down_rows(std::optional<bool> on) noexcept { settings_.down_rows = on; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
