@@ -70,11 +70,13 @@ inline constexpr const char* fp8_k_loop_name(fp8_k_loop l) {
 // GEMM2 writes rows for the combine kernel, instead of adding each into its token's output row,
 // up to twice the 16-bit GEMMs' K (plan_detail::rows_store_max_intermediate), from as many
 // slots. The additions cost the same per item in either format, while the e4m3 main loop takes
-// about half as long, so they weigh about as much at twice the K. Measured on an H100 in one run
-// (bench/NOTES.md, round 25): rows 4% faster at DeepSeek-V3 4096 tokens and 6% at 16384 (I =
-// 2048; GEMM2 7.03 ms against 5.29 + 0.84 for the combine, its reductions missing L2 on 235 MB
-// of output), Mixtral-8x7B (I = 14336) 3% faster and 1% slower. It costs M*k*H*2 workspace
-// bytes, as the engines' Triton path allocates for its own sum.
+// about half as long, so they weigh about as much at twice the K. Measured on H100s (bench/
+// NOTES.md, round 25), rows against the reductions: DeepSeek-V3 (I = 2048) 5-8% faster at 4096
+// and 16384 tokens (GEMM2 7.03 ms against 5.29 + 0.84 for the combine: its reductions missed L2
+// on 235 MB of output), 1% at 512; I = 1536 (E = 128 and 160, shapes the bench does not name)
+// 5-9% at 4096 tokens, 0-3% at 512; I = 768 4-12%; I = 3072 within 2%; Mixtral-8x7B (I =
+// 14336) 3% faster and 1% slower. It costs M*k*H*2 workspace bytes, as the engines' Triton
+// path allocates for its own sum.
 inline constexpr int fp8_rows_store_max_intermediate = 2 * plan_detail::rows_store_max_intermediate;
 // M tiles per raster band (decode_work_item): the 16-bit wgmma tunings' unless asked otherwise.
 inline constexpr int fp8_raster_band = sm90_wgmma_gemm_policy::tuning.raster_band;
