@@ -123,7 +123,8 @@ using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_fp8_policy>;
 
 // Device copies of an fp8 problem and a runner with exactly the workspace it asks for; `forced`
 // forces the stream GEMMs, the pairs or fours of CTAs or the 128-row CTAs on or off, the K loop, the
-// raster band, the work items handed out or GEMM2's K splits (unset: the plan's rules).
+// raster band, the work items handed out, GEMM2's K splits or its rows against its reductions
+// (unset: the plan's rules).
 struct fp8_on_device {
   mr::test::device_tensor x, xq, xs, w13, w2, s13, s2, weights, ids;
   mr::test::device_buffer out_buf, ws_buf;
@@ -146,6 +147,7 @@ struct fp8_on_device {
         core.set_hand_out(forced.hand_out);
         core.set_down_k_splits(forced.down_k_splits);
         core.set_expert_bands(forced.expert_bands);
+        core.set_down_rows(forced.down_rows);
       }
     });
     if (p.prequantized) {
@@ -228,6 +230,14 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
     const int down_k_tiles = s.i / mr::fp8_block_quant_info::group;
     CHECK(g.runner.describe(s.m).find("in " + std::to_string(std::min(*forced.down_k_splits, down_k_tiles)) +
                                       " K splits") != std::string::npos);
+  }
+  // GEMM2's rows (their f32 parts where its K is split) or reductions where forced and the run
+  // may take either.
+  if (forced.down_rows && !o.no_combine && !o.deterministic && !forced.stream.value_or(false) && s.m > 0) {
+    const std::string d = g.runner.describe(s.m);
+    const bool split = d.find(" K splits") != std::string::npos;
+    CHECK(d.find(*forced.down_rows ? (split ? "GEMM2 partials" : "GEMM2 rows") : "GEMM2 accumulate") !=
+          std::string::npos);
   }
   const host_tensor got = g.run_once(p);
   const double err = mr::test::rel_error(got.view, p.ref.view);
@@ -347,6 +357,26 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       worst = std::max(worst, check_case(sh, bf16, o, rng, false, mr::fp8_weight_scaling::block128, split3));
     worst = std::max(worst, check_case({300, 16, 4, 256, 768}, bf16, {}, rng, false,
                                        mr::fp8_weight_scaling::block128, {.stream = false, .down_k_splits = 40}));
+  }
+  SUBCASE("GEMM2's rows or its reductions forced") {
+    // Each where the rule takes the other: rows below 4096 slots and past I = 2048, reductions
+    // at I = 768 from 4096 slots; alone and in pairs, with weights on the input and in place.
+    for (const bool rows : {true, false}) {
+      CAPTURE(rows);
+      const mr::gpu::fp8_settings single{.stream = false, .pairs = false, .down_rows = rows};
+      const mr::gpu::fp8_settings paired{.stream = false, .pairs = true, .down_rows = rows};
+      for (const mr::gpu::fp8_settings& f : {single, paired}) {
+        const auto run = [&](const shape& c, const options& o) {
+          worst = std::max(worst, check_case(c, bf16, o, rng, false, mr::fp8_weight_scaling::block128, f));
+        };
+        run({97, 8, 2, 256, 256}, {});
+        run({300, 8, 2, 256, 2176}, {});  // I past the rule's bound
+        run({520, 16, 8, 128, 768}, {.ids = ids_kind::skewed});  // 4160 slots
+        run({300, 8, 1, 256, 256}, {.weight_on_input = true});
+        run({300, 8, 2, 256, 256}, {.inplace = true});
+        run({0, 8, 2, 256, 256}, {});
+      }
+    }
   }
   SUBCASE("128-row CTAs") {
     // Forced on (the plan takes them only when asked) at 12-150 rows per expert, where experts'
