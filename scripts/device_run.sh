@@ -13,7 +13,7 @@
 #   scripts/device_run.sh [--out DIR] [--results FILE.jsonl] [--steps build,test,sanitize,bench,torch,peer,ep,python,plot,profile]
 #                         [--archs 90a] [--cuda-args "..."] [--jobs N] [--budget SECONDS] [--bench-args "..."] [--sanitizer-args "..."]
 #                         [--sanitize-seconds N] [--targets LIST] [--tests LIST] [--test-seconds N]
-#                         [--profile-cells "Shape:M,..."] [--profile-backends "a,b"] [--profile-source]
+#                         [--profile-cells "Shape:M,..."] [--profile-backends "a,b"] [--profile-source] [--profile-gemm N]
 #                         [--baseline DIR]... [--peer DIR] [--pack]
 #
 #   --out DIR          where logs and results go (default: $OUT if set, else build-device/run)
@@ -50,8 +50,9 @@
 #                      alone) over the two GEMMs of one run of each cell, into logs/profile-*.log
 #   --profile-backends backends (benchmark rows) whose GEMMs the profile step measures, in turn
 #                      (default cuda_fused); the stall sampling takes the first
-#   --profile-source   also sample warp stalls per SASS instruction over each cell's first GEMM
+#   --profile-source   also sample warp stalls per SASS instruction over one GEMM of each cell
 #                      (ncu SourceCounters), into logs/profile-*-sass.csv.gz
+#   --profile-gemm N   the GEMM the stall sampling takes: 1 (default) or 2
 #   --peer DIR         folder holding SGLang's Triton fused MoE as a module (peer_fused_moe.py and
 #                      its configs/; default .peers/sglang_triton_moe, git-ignored): the peer step
 #                      runs bench/sglang_triton.py on it, rows sglang_triton and sglang_triton_nearest
@@ -100,6 +101,7 @@ tests=""
 test_seconds=150
 profile_cells="Mixtral-8x7B:4096,DeepSeek-V3:4096,Qwen3-30B-A3B:1"
 profile_source=0
+profile_gemm=1
 profile_backends="cuda_fused"
 pack=0
 while [[ $# -gt 0 ]]; do
@@ -120,6 +122,7 @@ while [[ $# -gt 0 ]]; do
     --test-seconds) test_seconds=$2; shift 2 ;;
     --profile-cells) profile_cells=$2; shift 2 ;;
     --profile-source) profile_source=1; shift ;;
+    --profile-gemm) profile_gemm=$2; shift 2 ;;
     --profile-backends) profile_backends=$2; shift 2 ;;
     --peer) peer_dir=$2; shift 2 ;;
     --pack) pack=1; shift ;;
@@ -129,6 +132,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ "$sanitize_seconds" =~ ^[0-9]+$ ]] || { echo "device_run: --sanitize-seconds takes whole seconds" >&2; exit 2; }
 [[ "$test_seconds" =~ ^[0-9]+$ ]] || { echo "device_run: --test-seconds takes whole seconds" >&2; exit 2; }
+[[ "$profile_gemm" == 1 || "$profile_gemm" == 2 ]] || { echo "device_run: --profile-gemm takes 1 or 2" >&2; exit 2; }
 # Each baseline's rows, build folder and log are named after its folder: one name each.
 baseline_names=()
 for dir in "${baselines[@]}"; do
@@ -682,10 +686,11 @@ if has_step profile; then
       [[ $profile_source -eq 1 ]] || continue
       t=$(step_timeout 150 5)
       out_of_time "profile-source $cell" "$t" && continue
-      note "profile: stall samples per SASS instruction, first GEMM of $shape M=$tokens (up to ${t}s)"
+      note "profile: stall samples per SASS instruction, GEMM$profile_gemm of $shape M=$tokens (up to ${t}s)"
       rep="$build/profile-$shape-$tokens"
       rm -f "$rep.ncu-rep"
-      timeout "$t" "$ncu" --clock-control none -k "regex:moe_(grouped|stream)_gemm" --launch-count 1 \
+      timeout "$t" "$ncu" --clock-control none -k "regex:moe_(grouped|stream)_gemm" \
+        --launch-skip $((profile_gemm - 1)) --launch-count 1 \
         --section WarpStateStats --section SourceCounters --export "$rep" \
         "$build/bench/moe_bench" --once --shapes "$shape" --tokens "$tokens" --backends "${profiled[0]}" \
         --out "$logs/profile-$shape-$tokens-src.jsonl" > "$logs/profile-$shape-$tokens-src.log" 2>&1 &&
