@@ -215,8 +215,8 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   }
   down_store store = plan_detail::store_mode(cfg, p.stream ? gemm_family::stream : gemm_family::wgmma, slots,
                                              fp8_rows_store_max_intermediate);
-  if (settings.down_rows && !p.stream && (store == down_store::rows || store == down_store::accumulate) &&
-      !cfg.deterministic() && !cfg.batch_invariant())
+  // Deterministic runs (batch-invariant ones are too) keep their rows, no_combine its slots.
+  if (settings.down_rows && !p.stream && !cfg.deterministic() && store != down_store::slots)
     store = *settings.down_rows ? down_store::rows : down_store::accumulate;
   if (settings.down_k_splits && *settings.down_k_splits < 1)
     throw invalid_argument_error("make_fp8_plan: down_k_splits must be positive, got " +
