@@ -617,6 +617,28 @@ TEST_CASE("fp8 plan: GEMM2 writes rows for the combine kernel up to twice the 16
   CHECK(split_rows.combine_kernel);
 }
 
+TEST_CASE("fp8 plan: GEMM2's A rows by TMA on the wgmma GEMMs") {
+  // Every wgmma run by default, batch-invariant ones too (the rows past a tile are never stored,
+  // so the bits are the cp.async path's); never the stream GEMMs or an empty run; forced off.
+  for (const moe_config_params& c : {mixtral(), deepseek(), qwen3()})
+    for (const std::int64_t m : {1, 8, 64, 512, 4096, 16384}) {
+      CAPTURE(m);
+      const g::fp8_plan p = fp8_plan_of(c, m);
+      CHECK(p.down_a_tma == !p.stream);
+      CHECK((p.describe().find("GEMM2's A by TMA") != std::string::npos) == p.down_a_tma);
+      CHECK_FALSE(g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.down_a_tma = false}).down_a_tma);
+      CHECK_FALSE(g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.stream = true, .down_a_tma = true}).down_a_tma);
+      CHECK(g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.stream = false}).down_a_tma);
+    }
+  moe_config_params inv = qwen3();
+  inv.batch_invariant = true;
+  CHECK(fp8_plan_of(inv, 1).down_a_tma);
+  CHECK_FALSE(fp8_plan_of(qwen3(), 0).down_a_tma);
+  // The workspace does not change: act is read where GEMM1 wrote it.
+  CHECK(fp8_plan_of(deepseek(), 4096).workspace.total ==
+        g::make_fp8_plan(MoeRunnerConfig(deepseek()), 4096, h200, {.down_a_tma = false}).workspace.total);
+}
+
 TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
   moe_config_params det = mixtral();
   det.deterministic = true;

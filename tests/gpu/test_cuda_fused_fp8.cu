@@ -148,6 +148,7 @@ struct fp8_on_device {
         core.set_down_k_splits(forced.down_k_splits);
         core.set_expert_bands(forced.expert_bands);
         core.set_down_rows(forced.down_rows);
+        core.set_down_a_tma(forced.down_a_tma);
       }
     });
     if (p.prequantized) {
@@ -239,6 +240,8 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
     CHECK(d.find(*forced.down_rows ? (split ? "GEMM2 partials" : "GEMM2 rows") : "GEMM2 accumulate") !=
           std::string::npos);
   }
+  if (forced.down_a_tma && !forced.stream.value_or(false) && s.m > 0)
+    CHECK((g.runner.describe(s.m).find("GEMM2's A by TMA") != std::string::npos) == *forced.down_a_tma);
   const host_tensor got = g.run_once(p);
   const double err = mr::test::rel_error(got.view, p.ref.view);
   CHECK_MESSAGE(err <= normwise_bound(s), "rel err ", err, " bound ", normwise_bound(s));
@@ -374,6 +377,31 @@ TEST_CASE("fp8 against the reference's fp8 path") {
         run({520, 16, 8, 128, 768}, {.ids = ids_kind::skewed});  // 4160 slots
         run({300, 8, 1, 256, 256}, {.weight_on_input = true});
         run({300, 8, 2, 256, 256}, {.inplace = true});
+        run({0, 8, 2, 256, 256}, {});
+      }
+    }
+  }
+  SUBCASE("GEMM2's A rows by TMA or by cp.async") {
+    // The plan's TMA boxes read the rows that follow a tile (never stored) and zeros past act's
+    // end; the cp.async loads zero-fill past the tile. Forced both ways on single CTAs, pairs and
+    // 128-row CTAs, with every GEMM2 store, skewed tiles and K splits.
+    for (const bool tma : {true, false}) {
+      CAPTURE(tma);
+      for (const mr::gpu::fp8_settings& f :
+           {mr::gpu::fp8_settings{.stream = false, .pairs = false, .down_a_tma = tma},
+            mr::gpu::fp8_settings{.stream = false, .pairs = true, .down_a_tma = tma},
+            mr::gpu::fp8_settings{.stream = false, .pairs = false, .tall = true, .down_a_tma = tma}}) {
+        const auto run = [&](const shape& c, const options& o, mr::gpu::fp8_settings g = {}) {
+          g.stream = f.stream, g.pairs = f.pairs, g.tall = f.tall, g.down_a_tma = f.down_a_tma;
+          worst = std::max(worst, check_case(c, bf16, o, rng, false, mr::fp8_weight_scaling::block128, g));
+        };
+        run({97, 8, 2, 256, 256}, {});
+        run({300, 8, 2, 384, 640}, {.ids = ids_kind::skewed});
+        run({600, 8, 2, 256, 256}, {.ids = ids_kind::one_expert});
+        run({300, 8, 2, 256, 256}, {.deterministic = true});
+        run({300, 8, 2, 256, 256}, {.ids = ids_kind::random_filtered, .no_combine = true});
+        run({300, 8, 2, 256, 768}, {}, {.down_k_splits = 3});
+        run({1, 8, 2, 256, 256}, {});
         run({0, 8, 2, 256, 256}, {});
       }
     }

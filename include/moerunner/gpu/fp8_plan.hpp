@@ -78,6 +78,14 @@ inline constexpr const char* fp8_k_loop_name(fp8_k_loop l) {
 // 14336) 3% faster and 1% slower. It costs M*k*H*2 workspace bytes, as the engines' Triton
 // path allocates for its own sum.
 inline constexpr int fp8_rows_store_max_intermediate = 2 * plan_detail::rows_store_max_intermediate;
+// The wgmma GEMM2 loads its A rows (act, which GEMM1 wrote in plan order) by one TMA box per
+// stage, as it loads the weights, instead of by the producer warpgroup's 16-byte cp.async (512 a
+// stage). The profile of the fp8 prefill GEMMs had the producer issuing its copies for ~1000 of
+// each K tile's ~1270 cycles (bench/NOTES.md, round 21); the K loop has grown leaner and
+// overlapped since, so the producer is what a K tile waits on. GEMM1's A rows stay gathered by
+// cp.async: a copy of x in plan order costs M*k*H bytes written and read (round 13's fp8 try of
+// it measured no change, while the consumers still held the GEMMs). Rows past a tile are the
+// ones that follow it, never stored.
 // M tiles per raster band (decode_work_item): the 16-bit wgmma tunings' unless asked otherwise.
 inline constexpr int fp8_raster_band = sm90_wgmma_gemm_policy::tuning.raster_band;
 
@@ -95,8 +103,8 @@ struct fp8_workspace {
 };
 
 // Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
-// set_stream_gemms, set_pairs, set_quads, set_tall, set_k_loop, set_raster_band and
-// set_down_k_splits); unset, the plan's rules decide. Batch-invariant runs keep single 64-row
+// set_stream_gemms, set_pairs, set_quads, set_tall, set_k_loop, set_raster_band, set_down_k_splits,
+// set_down_rows and set_down_a_tma); unset, the plan's rules decide. Batch-invariant runs keep single 64-row
 // wgmma CTAs with the plain K loop whatever is asked (one kernel family at every M is what the
 // mode promises). Each member is initialized, so a designated initializer names only what it
 // forces.
@@ -120,6 +128,8 @@ struct fp8_settings {
   // (false) where the run may do either (not deterministic, batch-invariant or no_combine runs,
   // nor the stream GEMMs); unset: fp8_rows_store_max_intermediate's rule.
   std::optional<bool> down_rows = std::nullopt;
+  // The wgmma GEMM2's A rows by TMA (true) or by the producer's cp.async (false); unset: TMA.
+  std::optional<bool> down_a_tma = std::nullopt;
 };
 
 struct fp8_plan {
@@ -139,6 +149,7 @@ struct fp8_plan {
   bool expert_bands = false;           // wgmma: raster bands of one expert's M tiles (as fused_plan's)
   int down_k_splits = 1;
   down_store down = down_store::accumulate;
+  bool down_a_tma = false;      // wgmma: GEMM2's A rows by TMA
   bool combine_kernel = false;  // a combine kernel sums GEMM2's rows or parts per token afterwards
   bool clear_in_gemm1 = false;  // GEMM1 zeroes the output GEMM2 adds or scatters into
   fp8_workspace workspace;
@@ -154,6 +165,7 @@ struct fp8_plan {
                     (schedule_in_gemms ? ", built in the GEMMs" : "") + "), GEMM2 " + std::string(down_store_name(down));
     if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
     if (combine_kernel) s += " + combine kernel";
+    if (down_a_tma) s += ", GEMM2's A by TMA";
     s += "; workspace " + std::to_string(workspace.total) + " B (x e4m3 + scales " +
          std::to_string(workspace.x_q_bytes + workspace.x_scale_bytes) + ", act e4m3 + scales " +
          std::to_string(workspace.act_bytes + workspace.act_scale_bytes) +
@@ -238,6 +250,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
                                     std::max(cfg.hidden_size(), cfg.intermediate_size()));
 
   p.expert_bands = !p.stream && num_tokens > 0 && settings.expert_bands.value_or(false);
+  p.down_a_tma = !p.stream && num_tokens > 0 && settings.down_a_tma.value_or(true);
 
   const auto m = static_cast<std::size_t>(num_tokens);
   const auto r = static_cast<std::size_t>(slots);

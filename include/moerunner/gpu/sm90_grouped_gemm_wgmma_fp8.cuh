@@ -1,7 +1,8 @@
 // Host launch code of the fp8 block-scaled grouped GEMMs (sm90_kernel_grouped_gemm_wgmma_fp8.cuh)
 // and of the input rows' group quantization (kernel_quantize_fp8.cuh). Like the 16-bit wgmma
 // GEMMs: the weights' TMA descriptor encoded per launch (host only, graph-capturable), one
-// persistent CTA per SM (or pair of CTAs per two SMs), the M-tile schedule built by the routing plan.
+// persistent CTA per SM (or pair of CTAs per two SMs), the M-tile schedule built by the routing plan;
+// GEMM2's act rows by TMA too where p.a_tma asks (a second descriptor, over act).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -99,6 +100,12 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
              "only the gated GEMM1 reads interleaved gate/up rows");
   const CUtensorMap map =
       weight_tensor_map(b, g.b_rows_per_expert, g.n, g.k, num_experts, g.interleaved, tile_t::box_rows);
+  // GEMM2's act rows [a_rows, k] as one expert's rows of a weight-shaped map: boxes of a CTA's
+  // rows, zeros past a_rows. Without them the kernel never reads the map (B's is passed).
+  MOE_EXPECT(!p.a_tma || (Kind == kernels::moe_gemm_kind::down && g.a_rows > 0 && g.a_rows <= 0x7fffffff), where,
+             "only GEMM2 loads its A rows by TMA, and their count must be set");
+  const CUtensorMap a_map =
+      p.a_tma ? weight_tensor_map(p.a, g.a_rows, static_cast<int>(g.a_rows), g.k, 1, false, tile_t::bm) : map;
   const bool hand_out = g.item_counter != nullptr;
   constexpr bool may_hand_out = Loop == fp8_k_loop::plain && BlockM == fp8_block_m && Cluster <= 2;
   MOE_EXPECT(!hand_out || may_hand_out, where,
@@ -132,13 +139,14 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
     if (hand_out) {
       launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop, true>,
                                 grid, dim3(tile_t::threads), tile_t::smem_bytes, stream, dependent_launch, Cluster, p,
-                                map);
+                                a_map, map);
       MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_fp8_kernel");
       return;
     }
   }
   launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop, false>, grid,
-                            dim3(tile_t::threads), tile_t::smem_bytes, stream, dependent_launch, Cluster, p, map);
+                            dim3(tile_t::threads), tile_t::smem_bytes, stream, dependent_launch, Cluster, p, a_map,
+                            map);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_fp8_kernel");
 }
 

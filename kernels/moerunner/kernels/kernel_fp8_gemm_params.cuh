@@ -28,6 +28,9 @@ struct moe_gemm_fp8_params {
   std::uint8_t* act = nullptr;      // wgmma GEMM1: e4m3 act [R, n]
   float* act_scale = nullptr;       // wgmma GEMM1: [R, n / 128]
   float* act_f32 = nullptr;         // stream GEMM1: f32 act [R, n], quantized by its own kernel
+  // wgmma GEMM2: act's rows (already in plan order) loaded by TMA through the kernel's A tensor
+  // map, one box per stage, instead of by the producer threads' cp.async.
+  bool a_tma = false;
 };
 
 // The scale of B rows [row, row + 32) (one 128-row block) for K tile kt of expert e, 1 where

@@ -42,7 +42,8 @@
 // on non-tensor instructions and the producer was busy ~80% of it.
 //
 // The producer copies per stage: the B boxes by TMA (thread 0), the gathered A rows by 16-byte
-// cp.async (every thread, as the 16-bit kernel), each row's A scale of the K tile and the
+// cp.async (every thread, as the 16-bit kernel; GEMM2 with p.a_tma: act's rows, which are in plan
+// order, by one TMA box from thread 0 instead), each row's A scale of the K tile and the
 // warpgroups' B block scales by 4-byte cp.async, all signalled through the stage's full barrier
 // (cp.async.mbarrier.arrive); the consumers read the scales from shared memory. (compute-sanitizer
 // racecheck reports hazards between those scale reads and the producer's next cp.async into the
@@ -224,8 +225,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     else return static_cast<std::int64_t>(a) * stride + kt;
   }
 
-  __device__ static void producer(const moe_gemm_fp8_params<T>& p, const CUtensorMap* b_map, unsigned char* ring,
-                                  barriers& bars, work_item_ring* item_ring) {
+  __device__ static void producer(const moe_gemm_fp8_params<T>& p, const CUtensorMap* a_map, const CUtensorMap* b_map,
+                                  unsigned char* ring, barriers& bars, work_item_ring* item_ring) {
     const moe_gemm_params<T>& g = p.g;
     const int tid = threadIdx.x;  // 0..127
     const int ld_row = tid / chunks_per_row, ld_chunk = tid % chunks_per_row;
@@ -240,6 +241,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     // idles), and lane j < b_scales of the last warp box j's B scale.
     const bool copies_a_scale = tid < bm;
     const int b_scale_box = tid - (producer_threads - 32);
+    // GEMM2's A rows (act, in plan order) by one TMA box per stage: the tile's rows and whatever
+    // follows them (never stored: a wgmma row reads only its own A row), zeros past act's end.
+    const bool a_tma = Kind == moe_gemm_kind::down && p.a_tma;
     ring_slot<stages> slot;
     for (auto w = items.first(); w < items.work; w = items.next_warp(w)) {
       items.ask();
@@ -275,7 +279,12 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         unsigned char* sa = ring + stage * stage_bytes;
         if (tid == 0) {
           cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
-                                               &bars.full[stage], static_cast<std::uint32_t>(b_bytes));
+                                               &bars.full[stage], static_cast<std::uint32_t>(b_bytes + (a_tma ? a_bytes : 0)));
+          if (a_tma) {
+            const std::int32_t a_coords[4] = {kt * bk, tile.row_begin, 0, 0};
+            cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sa, a_map, a_coords,
+                                            &bars.full[stage]);
+          }
           // In a cluster, rank r loads its share of the boxes into every CTA (same offsets, every
           // full barrier): a pair half of them each; fours one each, or GEMM2's two by ranks 0, 1.
 #pragma unroll
@@ -297,15 +306,17 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         const int kcol = kt * bk + ld_chunk * 16;
         // Rows past the tile are zero-filled (no read, no branch): their results are never
         // stored, and a wgmma row reads only its own A row and scale.
+        if (!a_tma) {
 #pragma unroll
-        for (int i = 0; i < a_passes; ++i) {
-          // At 40 registers: the row's addresses formed anew per K tile (a few integer
-          // operations) rather than held across the loop, 64 bits each.
-          if constexpr (lean_producer) asm volatile("" : "+r"(a_src_row[i]));
-          const bool ok = a_row_valid(a_src_row[i]);
-          const int r = ld_row + i * rows_per_pass;
-          cp_async_16(smem_address(sa + r * bk + st_chunk * 16), p.a + (ok ? a_data_offset(a_src_row[i], g.k, kcol) : 0),
-                      ok);
+          for (int i = 0; i < a_passes; ++i) {
+            // At 40 registers: the row's addresses formed anew per K tile (a few integer
+            // operations) rather than held across the loop, 64 bits each.
+            if constexpr (lean_producer) asm volatile("" : "+r"(a_src_row[i]));
+            const bool ok = a_row_valid(a_src_row[i]);
+            const int r = ld_row + i * rows_per_pass;
+            cp_async_16(smem_address(sa + r * bk + st_chunk * 16),
+                        p.a + (ok ? a_data_offset(a_src_row[i], g.k, kcol) : 0), ok);
+          }
         }
         if (copies_a_scale) {
           const bool ok = a_row_valid(a_scale_row);
@@ -704,7 +715,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
 template <class T, moe_gemm_kind Kind, int Cluster, int BlockM, gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain,
           bool HandOut = false>
 __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
-    moe_grouped_gemm_wgmma_fp8_kernel(const moe_gemm_fp8_params<T> p, const __grid_constant__ CUtensorMap b_map) {
+    moe_grouped_gemm_wgmma_fp8_kernel(const moe_gemm_fp8_params<T> p, const __grid_constant__ CUtensorMap a_map,
+                                      const __grid_constant__ CUtensorMap b_map) {
 #if MOERUNNER_WGMMA_COMPILED
   using tile_t = moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Loop, HandOut>;
   __shared__ typename tile_t::barriers bars;
@@ -722,6 +734,7 @@ __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
     if constexpr (HandOut) init_work_item_ring<Cluster>(item_ring, tile_t::item_readers);
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&b_map) : "memory");
+    if (p.a_tma) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&a_map) : "memory");
   }
   // The other CTAs of a cluster arrive on these barriers and multicast into this ring: all must be set up.
   if constexpr (Cluster > 1) cluster_sync();
@@ -730,7 +743,7 @@ __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
   allow_dependent_grids();
   if (threadIdx.x < tile_t::producer_threads) {
     setmaxnreg_dec<tile_t::producer_regs>();
-    tile_t::producer(p, &b_map, ring, bars, &item_ring);
+    tile_t::producer(p, &a_map, &b_map, ring, bars, &item_ring);
   } else {
     setmaxnreg_inc<tile_t::consumer_regs>();
     tile_t::consumer(p, ring, bars, amax_exchange, &item_ring);
@@ -738,7 +751,7 @@ __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
   // The other CTAs' last releases and multicasts land in this CTA's shared memory: stay until all are done.
   if constexpr (Cluster > 1) cluster_sync();
 #else
-  (void)p, (void)b_map;
+  (void)p, (void)a_map, (void)b_map;
   __trap();
 #endif
 }

@@ -16,7 +16,8 @@
 //      the epilogue pairs gate and up columns, applies the activation in f32 (the router weight
 //      first where applied on the input) and writes act as e4m3 with one scale per row and 128
 //      columns
-//   -> GEMM2: e4m3 act times w2[e]^T, scaled alike; rows into the output by vector reductions,
+//   -> GEMM2: e4m3 act (its rows loaded by TMA, as they are in plan order) times w2[e]^T,
+//      scaled alike; rows into the output by vector reductions,
 //      or (deterministic, batch-invariant, or short I with many slots) rows that a combine
 //      kernel sums in slot order, or (no_combine) each row to its [token, slot] place; where
 //      its items are few GEMM2 also splits K.
@@ -88,8 +89,9 @@ class cuda_fused_fp8_policy {
   }
   // Force the stream GEMMs, pairs or fours of wgmma CTAs or 128-row wgmma CTAs on or off, the wgmma
   // GEMMs' K loop or raster band (or bands of one expert's tiles), their work items handed out at
-  // run time, GEMM2's K splits, or its rows for the combine kernel against its reductions into
-  // the output (unset: the plan's rules), for measuring one against the other (gpu::fp8_settings).
+  // run time, GEMM2's K splits, its rows for the combine kernel against its reductions into the
+  // output, or its A rows by TMA against cp.async (unset: the plan's rules), for measuring one
+  // against the other (gpu::fp8_settings).
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
   void set_quads(std::optional<bool> on) noexcept { settings_.quads = on; }
@@ -102,6 +104,7 @@ class cuda_fused_fp8_policy {
   void set_down_k_splits(std::optional<int> splits) noexcept { settings_.down_k_splits = splits; }
   void set_expert_bands(std::optional<bool> on) noexcept { settings_.expert_bands = on; }
   void set_down_rows(std::optional<bool> on) noexcept { settings_.down_rows = on; }
+  void set_down_a_tma(std::optional<bool> on) noexcept { settings_.down_a_tma = on; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
@@ -266,6 +269,8 @@ class cuda_fused_fp8_policy {
     gpu::set_down_store(g2.g, pl.down, base + lay.rows, slots, out, row_weights, scale);
     g2.a = act;
     g2.a_scale = act_scale;
+    g2.a_tma = pl.down_a_tma;
+    g2.g.a_rows = slots;
     g2.b_scale = q.w2_scale;
     g2.b_scaling = q.scaling;
     g2.g.local_ids = g1.g.local_ids;
