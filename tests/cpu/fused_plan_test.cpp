@@ -73,6 +73,8 @@ void check_layout(const g::fused_plan& p, const moe_config_params& c) {
   CHECK(p.gather_a == (large && p.num_tokens > 0 && c.intermediate_size >= g::gather_a_min_intermediate));
   if (p.gather_a) CHECK(w.gathered_bytes >= slots * static_cast<std::size_t>(c.hidden_size) * 2);
   else CHECK(w.gathered_bytes == 0);
+  // GEMM2's A rows by TMA on every wgmma run (act is in plan order: no copy, no workspace).
+  CHECK(p.down_a_tma == (p.family == g::gemm_family::wgmma && p.num_tokens > 0));
   CHECK(w.act_bytes >= slots * static_cast<std::size_t>(c.intermediate_size) * 2);
   const std::size_t row_elems = slots * static_cast<std::size_t>(c.hidden_size);
   switch (p.down) {
@@ -122,6 +124,15 @@ TEST_CASE("default runs: stream GEMMs with the schedule built in them at decode,
   CHECK_FALSE(short_i.gather_a);
   check_layout(short_i, qwen3());
   CHECK(plan_of(qwen3(), 4096, h200, with_gather(true)).gather_a);
+  CHECK(line.find("GEMM2's A by TMA") != std::string::npos);
+  // GEMM2's A by TMA forced off (measuring only); the workspace is the same either way.
+  g::fused_settings no_tma;
+  no_tma.down_a_tma = false;
+  const g::fused_plan copies = plan_of(mixtral(), 4096, h200, no_tma);
+  CHECK_FALSE(copies.down_a_tma);
+  CHECK(copies.describe().find("GEMM2's A by TMA") == std::string::npos);
+  CHECK(copies.workspace.total == big.workspace.total);
+  CHECK_FALSE(plan_of(qwen3(), 1).down_a_tma);  // the stream GEMMs
   CHECK(line.find("M=4096") != std::string::npos);
   CHECK(line.find(std::to_string(big.workspace.total)) != std::string::npos);
 }

@@ -60,6 +60,7 @@ struct launch_settings {
   std::optional<bool> gather_a = std::nullopt;  // wgmma GEMM1's A by TMA from gathered rows (unset: the plan's)
   std::optional<bool> hand_out = std::nullopt;  // wgmma work items handed out at run time (unset: the plan's)
   std::optional<bool> expert_bands = std::nullopt;  // wgmma raster bands of one expert's tiles (unset: the plan's)
+  std::optional<bool> down_a_tma = std::nullopt;  // wgmma GEMM2's A by TMA (unset: the plan's)
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -84,6 +85,7 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
         if (ls.gather_a) core.set_gather_a(*ls.gather_a);
         core.set_hand_out(ls.hand_out);
         core.set_expert_bands(ls.expert_bands);
+        core.set_down_a_tma(ls.down_a_tma);
       }
     });
     size_workspace(p, ws_misalign);  // the K splits, and so the size, follow the tuning
@@ -373,9 +375,10 @@ TEST_CASE("cuda_fused with the stream GEMMs: L2 prefetch of GEMM2's weights and 
     }
 }
 
-TEST_CASE("cuda_fused with the wgmma tiles: GEMM1's A by TMA from gathered rows or by cp.async, the same bits") {
+TEST_CASE("cuda_fused with the wgmma tiles: both GEMMs' A by TMA or by cp.async, the same bits") {
   // The same A rows reach the same wgmma either way (rows past a tile differ: zeros or the next
   // tile's rows, whose results are never stored), so deterministic outputs keep their bits.
+  // GEMM1's by TMA from x's rows gathered in plan order, GEMM2's from act as GEMM1 wrote it.
   if (!mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts())) return;
   const unsigned seed = mr::test::test_seed();
   CAPTURE(seed);
@@ -394,10 +397,15 @@ TEST_CASE("cuda_fused with the wgmma tiles: GEMM1's A by TMA from gathered rows 
     for (tuning tu : wgmma_tiles) {
       const problem p(sh, mr::dtype::bf16, opt, rng);
       CAPTURE(describe(sh, mr::dtype::bf16, opt, tu, true));
-      on_device copies(p, tu, true, 0, {.gather_a = false});
+      on_device copies(p, tu, true, 0, {.gather_a = false, .down_a_tma = false});
       const host_tensor want = copies.run_once(p);
       compare(p, want);
-      on_device tma(p, tu, true, 0, {.gather_a = true});
+      CHECK(copies.runner->describe(sh.m).find("GEMM2's A by TMA") == std::string::npos);
+      on_device down_tma(p, tu, true, 0, {.gather_a = false, .down_a_tma = true});
+      CHECK(down_tma.runner->describe(sh.m).find("GEMM2's A by TMA") != std::string::npos);
+      const host_tensor got_down = down_tma.run_once(p);
+      CHECK(std::memcmp(got_down.view.data, want.view.data, want.view.bytes()) == 0);
+      on_device tma(p, tu, true, 0, {.gather_a = true, .down_a_tma = true});
       MOE_CUDA_CHECK(cudaMemset(tma.ws_buf.get(), 0xff, tma.ws_buf.bytes()));  // NaN past the gathered rows
       const host_tensor got = tma.run_once(p);
       CHECK(std::memcmp(got.view.data, want.view.data, want.view.bytes()) == 0);

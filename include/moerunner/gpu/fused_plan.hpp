@@ -72,6 +72,7 @@ struct fused_settings {
   std::optional<bool> gather_a;          // unset: with the 128-row wgmma tiles (prefill), long I
   std::optional<bool> hand_out;          // wgmma work items handed out at run time (unset: off)
   std::optional<bool> expert_bands = std::nullopt;  // wgmma items in expert bands (unset: off; expert_bands.hpp)
+  std::optional<bool> down_a_tma = std::nullopt;    // wgmma GEMM2's A rows by TMA (unset: on)
 };
 
 // Whether a wgmma run's work items can be handed out (hand_out_items_fit) in both GEMMs: every
@@ -127,6 +128,9 @@ struct fused_plan {
   // (prefill), where the cp.async gathers measured a third of the consumers' time waiting for
   // stages (bench/NOTES.md, round 10). Decode keeps M*k*I*2 + O(E) workspace.
   bool gather_a = false;
+  // wgmma GEMM2 loads its A rows (act, which GEMM1 wrote in plan order) by TMA boxes too, instead
+  // of by the producer's cp.async: no copy, no workspace (as fp8_plan's down_a_tma).
+  bool down_a_tma = false;
   // wgmma: the work items handed out at run time, each cluster asking for the next as it starts
   // one (kernels/moerunner/kernels/sm90_work_items.cuh), instead of in fixed turns.
   bool hand_out = false;
@@ -152,6 +156,7 @@ struct fused_plan {
     if (memset_between) s += ", output zeroed between the GEMMs";
     s += dependent_launch ? ", dependent launches" : ", plain launches";
     if (gather_a) s += ", A gathered for TMA";
+    if (down_a_tma) s += ", GEMM2's A by TMA";
     if (hand_out) s += ", work items handed out";
     if (expert_bands) s += ", expert bands";
     s += "; workspace " + std::to_string(workspace.total) + " B (act " + std::to_string(workspace.act_bytes) +
@@ -287,6 +292,7 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
   const bool large_tiles = p.family == gemm_family::wgmma && (p.tile == sm90_tile::m128 || p.tile == sm90_tile::m128x2);
   p.gather_a = p.family == gemm_family::wgmma && num_tokens > 0 &&
                settings.gather_a.value_or(large_tiles && cfg.intermediate_size() >= gather_a_min_intermediate);
+  p.down_a_tma = p.family == gemm_family::wgmma && num_tokens > 0 && settings.down_a_tma.value_or(true);
   p.hand_out = p.family == gemm_family::wgmma && num_tokens > 0 && settings.hand_out.value_or(false) &&
                hand_out_fits(cfg, slots, p.schedule_block_m, p.down_k_splits, dev.sm_count);
   p.expert_bands = p.family == gemm_family::wgmma && num_tokens > 0 && settings.expert_bands.value_or(false);

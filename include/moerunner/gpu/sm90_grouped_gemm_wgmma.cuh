@@ -192,10 +192,11 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
              "only the gated GEMM1 reads interleaved gate/up rows");
   const CUtensorMap map =
       weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts, p.interleaved, tuning.block_n / 2);
-  // Gathered A rows [a_rows, k] as one expert's rows of a weight-shaped map: boxes of block_m
-  // rows, zeros past a_rows. Without them the kernel never reads the map (B's is passed).
-  MOE_EXPECT(!p.a_gathered || (Kind != kernels::moe_gemm_kind::down && p.a_rows > 0 && p.a_rows <= 0x7fffffff),
-             where, "only GEMM1 takes gathered A rows, and their count must be set");
+  // A rows in plan order [a_rows, k] (GEMM1: x's, gathered by a kernel before; GEMM2: act, as
+  // GEMM1 wrote it) as one expert's rows of a weight-shaped map: boxes of block_m rows, zeros
+  // past a_rows. Without them the kernel never reads the map (B's is passed).
+  MOE_EXPECT(!p.a_gathered || (p.a_rows > 0 && p.a_rows <= 0x7fffffff), where,
+             "A rows in plan order need their count");
   const CUtensorMap a_map = p.a_gathered ? weight_tensor_map(p.a, p.a_rows, static_cast<int>(p.a_rows), p.k, 1,
                                                              false, tuning.block_m)
                                          : map;

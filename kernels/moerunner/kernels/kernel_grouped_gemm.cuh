@@ -178,10 +178,11 @@ struct moe_gemm_params {
   // bytes at a time (the warp's next K tile of each row comes with its current one).
   bool weights_evict_first = false;
   bool weights_fetch_256 = false;
-  // wgmma GEMM1 only: a holds x's rows already in plan order (row r at r * k), which the
-  // producer loads by TMA boxes (the kernel's a_map over them) instead of gathering by cp.async.
+  // wgmma GEMMs: a holds its rows in plan order (row r at r * k: GEMM1's x gathered by a kernel
+  // before, GEMM2's act as GEMM1 wrote it), which the producer loads by TMA boxes (the kernel's
+  // a_map over them) instead of gathering by cp.async. The fp8 GEMMs read a_rows for GEMM2's.
   bool a_gathered = false;
-  std::int64_t a_rows = 0;  // a_gathered: rows of a (M * top_k)
+  std::int64_t a_rows = 0;  // rows of a in plan order (M * top_k): a_gathered, and the fp8 GEMM2's TMA
   // Stream GEMM2 storing rows: the CTA that stores the last item of an N tile (one count per N
   // tile in `strips`, zeroed by GEMM1 through `clear`) sums every token's rows over the tile's
   // columns in slot order into `out`, as combine_rows would (kernel_combine.cuh): no combine

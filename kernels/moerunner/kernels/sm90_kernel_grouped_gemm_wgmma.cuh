@@ -8,11 +8,12 @@
 //     16-byte cp.async into the same 128-byte-swizzled layout (zero fill past k, and past the
 //     tile's rows in 128-row tiles). A is gathered (row r of the tile is x[row_to_slot[r] /
 //     top_k]), which one 2D TMA box cannot express; 128 one-row boxes per K tile would serialize.
-//     With p.a_gathered (prefill GEMM1: a kernel before wrote x's rows in plan order), thread 0
-//     loads the A rows by one TMA box too, and the stage completes on its one arrival and the
-//     byte count: the other producer threads idle (the cp.async gathers kept too few bytes in
-//     flight at prefill: bench/NOTES.md, round 10). Rows past the tile are whatever follows
-//     (their results are never stored; a wgmma row reads only its own A row), zeros past R.
+//     With p.a_gathered (GEMM1: a kernel before wrote x's rows in plan order; GEMM2: act's rows,
+//     which GEMM1 writes in plan order), thread 0 loads the A rows by one TMA box too, and the
+//     stage completes on its one arrival and the byte count: the other producer threads idle
+//     (the cp.async gathers kept too few bytes in flight at prefill: bench/NOTES.md, round 10).
+//     Rows past the tile are whatever follows (their results are never stored; a wgmma row
+//     reads only its own A row), zeros past R.
 //   consumers, 128-row tiles: each owns 64 rows and runs four m64n256k16 wgmma per K tile
 //     straight from the shared-memory ring; the f32 accumulators stay in registers and the
 //     epilogue pairs gate column j (register block j) with up column j (block j + 16).

@@ -137,6 +137,9 @@ class cuda_fused_policy {
   // workspace bytes) instead of gathering them itself by cp.async; unset, with the 128-row
   // tiles only (gpu::fused_plan::gather_a), for measuring it.
   void set_gather_a(std::optional<bool> on) noexcept { settings_.gather_a = on; }
+  // Whether the wgmma GEMM2 loads its A rows (act, in plan order already) by TMA or by cp.async;
+  // unset, by TMA (gpu::fused_plan::down_a_tma), for measuring one against the other.
+  void set_down_a_tma(std::optional<bool> on) noexcept { settings_.down_a_tma = on; }
   // Whether the wgmma GEMMs hand their work items out at run time (each cluster asks for the
   // next as it starts one) instead of in fixed turns; unset, off (gpu::fused_plan::hand_out).
   void set_hand_out(std::optional<bool> on) noexcept { settings_.hand_out = on; }
@@ -382,6 +385,8 @@ class cuda_fused_policy {
     const float* row_weights = cfg_.apply_router_weight_on_input() ? nullptr : weights;
     kernels::moe_gemm_params<T> g2{};
     g2.a = act;
+    g2.a_gathered = pl.down_a_tma;  // act's rows are in plan order: TMA boxes need no gather
+    g2.a_rows = slots;
     g2.row_to_slot = plan.row_to_slot;
     g2.top_k = k;
     g2.b = q.w2.ptr<const T>();
