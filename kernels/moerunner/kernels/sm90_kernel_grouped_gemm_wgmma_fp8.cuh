@@ -278,8 +278,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         mbarrier_wait(&bars.empty[stage], slot.phase ^ 1u);
         unsigned char* sa = ring + stage * stage_bytes;
         if (tid == 0) {
+          const int tx_bytes = b_bytes + (a_tma ? a_bytes : 0);
           cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
-                                               &bars.full[stage], static_cast<std::uint32_t>(b_bytes + (a_tma ? a_bytes : 0)));
+                                               &bars.full[stage], static_cast<std::uint32_t>(tx_bytes));
           if (a_tma) {
             const std::int32_t a_coords[4] = {kt * bk, tile.row_begin, 0, 0};
             cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sa, a_map, a_coords,
