@@ -18,14 +18,13 @@ namespace moerunner::kernels {
 
 template <class T, moe_gemm_kind Kind>
 struct wgmma_epilogue {
-  // The thread's row (half h) of `Blocks` 8-column blocks from col_base, times `factor`, handed
-  // to put(dst + col, packed) eight columns at a time. The four lanes of a quad hold two columns
-  // each of every block (see store): a 4 x 4 transpose by shuffles gives lane c of the quad all
-  // eight columns of blocks 4g + c, so each lane writes 16 bytes at once (one vector reduction
-  // or store instead of four 4-byte ones; a warp's store covers 64 contiguous bytes of each row).
-  template <int Blocks, class Value, class Put>
-  __device__ __forceinline__ static void put_blocks(T* dst, float factor, int col_base, int n, int h, int lane,
-                                                    Value value, Put put) {
+  // Adds the thread's row (half h) of `Blocks` 8-column blocks from col_base, times t.factor, into
+  // t.dst. The four lanes of a quad hold two columns each of every block (see epilogue): a 4 x 4
+  // transpose by shuffles gives lane c of the quad all eight columns of blocks 4g + c, each added
+  // with one 16-byte vector reduction instead of four packed atomics.
+  template <int Blocks, class Value>
+  __device__ __forceinline__ static void add_blocks(const down_target<T>& t, int col_base, int n, int h, int lane,
+                                                    Value value) {
     static_assert(Blocks % 4 == 0, "blocks go to the quad's lanes four at a time");
     const int c = lane & 3;
     const unsigned quad_mask = 0xfu << (lane & ~3);  // a quad's lanes share a row: same branch
@@ -34,7 +33,7 @@ struct wgmma_epilogue {
       std::uint32_t w[4], mine[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int b = 0; b < 4; ++b)
-        w[b] = mma_16816<T>::pack2(value(4 * g + b, 2 * h) * factor, value(4 * g + b, 2 * h + 1) * factor);
+        w[b] = mma_16816<T>::pack2(value(4 * g + b, 2 * h) * t.factor, value(4 * g + b, 2 * h + 1) * t.factor);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         // Round r: lane c reads lane (c + r) % 4's pair of block 4g + c, and sends its own pair of
@@ -48,7 +47,7 @@ struct wgmma_epilogue {
           if (from == k) mine[k] = got;
       }
       const int col = col_base + 8 * (4 * g + c);  // n is a multiple of 8: a block is wholly in or out
-      if (col < n) put(dst + col, mine);
+      if (col < n) atomic_add8(t.dst + col, mine);
     }
   }
 
@@ -87,18 +86,23 @@ struct wgmma_epilogue {
           continue;
         }
         const down_target<T> t = down_target<T>::at(p, row);
-        // Reductions into the output's token rows, else 16-byte stores into rows or slots (both
-        // 16-byte aligned, n a multiple of 8).
-        const auto put = [&](T* dst, const std::uint32_t(&packed)[4]) {
-          if (p.store == down_store::accumulate) atomic_add8(dst, packed);
-          else *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-        };
-        if constexpr (Bias)  // put_blocks forms every block's values, past n too: no bias read there
-          put_blocks<Blocks>(t.dst, t.factor, col_base, p.n, h, lane, [&](int j, int i) {
-            const int col = col0 + 8 * j + (i & 1);
-            return col < p.n ? biased(value(j, i), 0, col) : value(j, i);
-          }, put);
-        else put_blocks<Blocks>(t.dst, t.factor, col_base, p.n, h, lane, value, put);
+        if (p.store == down_store::accumulate) {
+          if constexpr (Bias)  // add_blocks forms every block's values, past n too: no bias read there
+            add_blocks<Blocks>(t, col_base, p.n, h, lane, [&](int j, int i) {
+              const int col = col0 + 8 * j + (i & 1);
+              return col < p.n ? biased(value(j, i), 0, col) : value(j, i);
+            });
+          else add_blocks<Blocks>(t, col_base, p.n, h, lane, value);
+          continue;
+        }
+#pragma unroll
+        for (int j = 0; j < Blocks; ++j) {
+          const int col = col0 + 8 * j;  // n is a multiple of 8: a pair is wholly in or out
+          if (col >= p.n) continue;
+          const float lo = biased(value(j, 2 * h), 0, col) * t.factor;
+          const float hi = biased(value(j, 2 * h + 1), 0, col + 1) * t.factor;
+          *reinterpret_cast<std::uint32_t*>(t.dst + col) = mma_16816<T>::pack2(lo, hi);
+        }
       } else {
         T* out = p.c + static_cast<std::int64_t>(row) * p.n;
         // act(W (w x) + b) = act(w (W x) + b): the router weight scales the f32 accumulators instead of x.
