@@ -24,7 +24,7 @@ using bf16 = __nv_bfloat16;
 #define MOERUNNER_WGMMA_FP8_AS(Kind, Cluster, BlockM, Loop, HandOut)                                        \
   template __global__ void k::moe_grouped_gemm_wgmma_fp8_kernel<bf16, k::moe_gemm_kind::Kind, Cluster, BlockM, \
                                                                g::fp8_k_loop::Loop, HandOut>(                \
-      const k::moe_gemm_fp8_params<bf16>, const __grid_constant__ CUtensorMap);
+      const k::moe_gemm_fp8_params<bf16>, const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap);
 #define MOERUNNER_WGMMA_FP8(Kind, Cluster, BlockM, Loop) MOERUNNER_WGMMA_FP8_AS(Kind, Cluster, BlockM, Loop, false)
 #define MOERUNNER_WGMMA_FP8_HANDED_OUT(Kind, Cluster, BlockM) \
   MOERUNNER_WGMMA_FP8_AS(Kind, Cluster, BlockM, plain, false)  \
