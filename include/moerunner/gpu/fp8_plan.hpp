@@ -80,12 +80,13 @@ inline constexpr const char* fp8_k_loop_name(fp8_k_loop l) {
 inline constexpr int fp8_rows_store_max_intermediate = 2 * plan_detail::rows_store_max_intermediate;
 // The wgmma GEMM2 loads its A rows (act, which GEMM1 wrote in plan order) by one TMA box per
 // stage, as it loads the weights, instead of by the producer warpgroup's 16-byte cp.async (512 a
-// stage). The profile of the fp8 prefill GEMMs had the producer issuing its copies for ~1000 of
-// each K tile's ~1270 cycles (bench/NOTES.md, round 21); the K loop has grown leaner and
-// overlapped since, so the producer is what a K tile waits on. GEMM1's A rows stay gathered by
-// cp.async: a copy of x in plan order costs M*k*H bytes written and read (round 13's fp8 try of
-// it measured no change, while the consumers still held the GEMMs). Rows past a tile are the
-// ones that follow it, never stored.
+// stage; the producer was busy for ~1000 of a K tile's ~1270 cycles, bench/NOTES.md round 21).
+// Measured on an H100 in one run (round 26), the layer against the copies: Mixtral-8x7B 4-8%
+// faster at 4096 and 16384 tokens (GEMM2's 112 K tiles per item, all main loop), DeepSeek-V3
+// 1-2%, Qwen3-30B-A3B 0-1% (6 K tiles: its items are held elsewhere). No copy, no workspace.
+// GEMM1's A rows stay gathered by cp.async: a copy of x in plan order costs M*k*H bytes written
+// and read (round 13's fp8 try measured no change). Rows past a tile are the ones that follow
+// it, never stored.
 // M tiles per raster band (decode_work_item): the 16-bit wgmma tunings' unless asked otherwise.
 inline constexpr int fp8_raster_band = sm90_wgmma_gemm_policy::tuning.raster_band;
 
@@ -103,10 +104,10 @@ struct fp8_workspace {
 };
 
 // Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
-// set_stream_gemms, set_pairs, set_quads, set_tall, set_k_loop, set_raster_band, set_down_k_splits,
-// set_down_rows and set_down_a_tma); unset, the plan's rules decide. Batch-invariant runs keep single 64-row
-// wgmma CTAs with the plain K loop whatever is asked (one kernel family at every M is what the
-// mode promises). Each member is initialized, so a designated initializer names only what it
+// set_stream_gemms, set_pairs, set_quads, set_tall, set_k_loop, set_raster_band,
+// set_down_k_splits, set_down_rows and set_down_a_tma); unset, the plan's rules decide.
+// Batch-invariant runs keep single 64-row wgmma CTAs with the plain K loop whatever is asked
+// (one kernel family at every M is what the mode promises). Each member is initialized, so a designated initializer names only what it
 // forces.
 struct fp8_settings {
   std::optional<bool> stream = std::nullopt;   // the stream GEMMs (any M > 0), or never
