@@ -107,8 +107,8 @@ struct fp8_workspace {
 // set_stream_gemms, set_pairs, set_quads, set_tall, set_k_loop, set_raster_band,
 // set_down_k_splits, set_down_rows and set_down_a_tma); unset, the plan's rules decide.
 // Batch-invariant runs keep single 64-row wgmma CTAs with the plain K loop whatever is asked
-// (one kernel family at every M is what the mode promises). Each member is initialized, so a designated initializer names only what it
-// forces.
+// (one kernel family at every M is what the mode promises). Each member is initialized, so a
+// designated initializer names only what it forces.
 struct fp8_settings {
   std::optional<bool> stream = std::nullopt;   // the stream GEMMs (any M > 0), or never
   std::optional<bool> pairs = std::nullopt;    // wgmma CTAs in pairs on 128-row tiles, or never
