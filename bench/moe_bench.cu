@@ -36,7 +36,9 @@
 // cuda_fused_fp8_det (deterministic: GEMM2 writes rows that the combine kernel sums),
 // cuda_fused_fp8_rows and cuda_fused_fp8_reduce (GEMM2's rows for the combine kernel, or its
 // reductions into the output, forced wherever the run may take either); cuda_fused_down_cp_async and
-// cuda_fused_fp8_down_cp_async (the wgmma GEMM2's A rows by the producer's cp.async, not by TMA).
+// cuda_fused_fp8_down_cp_async (the wgmma GEMM2's A rows by the producer's cp.async, not by TMA),
+// cuda_fused_fp8_staged (the wgmma GEMM2's sums stored by store warps where it may, with the plain
+// K loop, which they take: against cuda_fused_fp8_plain).
 // With the wgmma GEMMs' work items handed out at run time (set_hand_out): cuda_fused_handed_out,
 // cuda_fused_m128x2_handed_out, cuda_fused_fp8_handed_out, cuda_fused_fp8_single_handed_out and
 // cuda_fused_fp8_pairs_handed_out, each the row of the same name without the suffix otherwise.
@@ -152,6 +154,7 @@ struct backend_variant {
   std::optional<bool> expert_bands = std::nullopt;  // wgmma raster bands of one expert's tiles (unset: the plan's)
   std::optional<bool> fp8_down_rows = std::nullopt;  // cuda_fused_fp8: GEMM2's rows or reductions (unset: the plan's)
   std::optional<bool> down_a_tma = std::nullopt;  // the wgmma GEMM2's A by TMA or cp.async (unset: the plan's)
+  std::optional<bool> fp8_staged_down = std::nullopt;  // cuda_fused_fp8: GEMM2's store warps (unset: the plan's)
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -232,6 +235,8 @@ constexpr backend_variant backend_variants[] = {
      .down_a_tma = false},
     {.label = "cuda_fused_down_cp_async", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .down_a_tma = false},
+    {.label = "cuda_fused_fp8_staged", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .fp8_k_loop = mr::gpu::fp8_k_loop::plain, .fp8_staged_down = true},
     {.label = "cuda_fused_expert_bands", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .expert_bands = true},
     {.label = "cuda_fused_fp8_expert_bands", .backend = "cuda_fused_fp8",
@@ -756,6 +761,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_expert_bands(variant->expert_bands);
           core.set_down_rows(variant->fp8_down_rows);
           core.set_down_a_tma(variant->down_a_tma);
+          core.set_staged_down(variant->fp8_staged_down);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

@@ -650,6 +650,37 @@ TEST_CASE("fp8 plan: GEMM2's A rows by TMA on the wgmma GEMMs") {
         g::make_fp8_plan(MoeRunnerConfig(deepseek()), 4096, h200, {.down_a_tma = false}).workspace.total);
 }
 
+TEST_CASE("fp8 plan: GEMM2's store warps only where asked, with the plain K loop") {
+  const auto plan = [](const moe_config_params& c, std::int64_t m, g::fp8_settings s) {
+    return g::make_fp8_plan(MoeRunnerConfig(c), m, h200, s);
+  };
+  const g::fp8_settings plain_staged{.k_loop = g::fp8_k_loop::plain, .staged_down = true};
+  for (const moe_config_params& c : {mixtral(), deepseek(), qwen3()})
+    for (const std::int64_t m : {0, 1, 8, 64, 512, 4096, 16384}) {
+      CAPTURE(m);
+      CHECK_FALSE(fp8_plan_of(c, m).staged_down);  // never by default
+      const g::fp8_plan p = plan(c, m, plain_staged);
+      const bool may = !p.stream && m > 0 && (p.tile == g::fp8_tile::m64 || p.tile == g::fp8_tile::m64x2) &&
+                       p.down != g::down_store::partials;
+      CHECK(p.staged_down == may);
+      CHECK((p.describe().find("GEMM2 stored by store warps") != std::string::npos) == p.staged_down);
+      CHECK(p.workspace.total == plan(c, m, {.k_loop = g::fp8_k_loop::plain}).workspace.total);
+      // Not with the overlapped or staggered loops, 128-row CTAs, the copies or handed-out items.
+      CHECK_FALSE(plan(c, m, {.k_loop = g::fp8_k_loop::overlap, .staged_down = true}).staged_down);
+      CHECK_FALSE(plan(c, m, {.k_loop = g::fp8_k_loop::stagger, .staged_down = true}).staged_down);
+      CHECK_FALSE(plan(c, m, {.pairs = false, .tall = true, .k_loop = g::fp8_k_loop::plain, .staged_down = true})
+                      .staged_down);
+      CHECK_FALSE(
+          plan(c, m, {.k_loop = g::fp8_k_loop::plain, .down_a_tma = false, .staged_down = true}).staged_down);
+    }
+  // K split into f32 parts (deterministic decode) keeps the direct epilogue.
+  moe_config_params det = mixtral();
+  det.deterministic = true;
+  const g::fp8_plan parts = plan(det, 64, plain_staged);
+  CHECK(parts.down == g::down_store::partials);
+  CHECK_FALSE(parts.staged_down);
+}
+
 TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
   moe_config_params det = mixtral();
   det.deterministic = true;

@@ -149,6 +149,7 @@ struct fp8_on_device {
         core.set_expert_bands(forced.expert_bands);
         core.set_down_rows(forced.down_rows);
         core.set_down_a_tma(forced.down_a_tma);
+        core.set_staged_down(forced.staged_down);
       }
     });
     if (p.prequantized) {
@@ -240,6 +241,9 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
     CHECK(d.find(*forced.down_rows ? (split ? "GEMM2 partials" : "GEMM2 rows") : "GEMM2 accumulate") !=
           std::string::npos);
   }
+  if (forced.staged_down.value_or(false) && forced.k_loop == mr::gpu::fp8_k_loop::plain &&
+      !forced.stream.value_or(false) && s.m > 0 && !o.deterministic && !forced.tall.value_or(false))
+    CHECK(g.runner.describe(s.m).find("GEMM2 stored by store warps") != std::string::npos);
   if (forced.down_a_tma && !forced.stream.value_or(false) && s.m > 0)
     CHECK((g.runner.describe(s.m).find("GEMM2's A by TMA") != std::string::npos) == *forced.down_a_tma);
   const host_tensor got = g.run_once(p);
@@ -404,6 +408,30 @@ TEST_CASE("fp8 against the reference's fp8 path") {
         run({1, 8, 2, 256, 256}, {});
         run({0, 8, 2, 256, 256}, {});
       }
+    }
+  }
+  SUBCASE("GEMM2's sums stored by store warps") {
+    // Forced (the plan takes them only when asked, with the plain K loop) on single CTAs and
+    // pairs: rows, reductions (with K splits), slots; skewed and one-expert tiles (CTAs of a pair
+    // without rows), N not a multiple of the 256-column tile, the router weight on either side,
+    // in place, and 0 and 1 tokens.
+    for (const bool paired : {false, true}) {
+      CAPTURE(paired);
+      const auto run = [&](const shape& c, const options& o, mr::gpu::fp8_settings f = {}) {
+        f.stream = false, f.pairs = paired, f.k_loop = mr::gpu::fp8_k_loop::plain, f.staged_down = true;
+        worst = std::max(worst, check_case(c, bf16, o, rng, false, mr::fp8_weight_scaling::block128, f));
+      };
+      run({97, 8, 2, 256, 256}, {});
+      run({300, 8, 2, 384, 640}, {.ids = ids_kind::skewed});
+      run({600, 8, 2, 256, 256}, {.ids = ids_kind::one_expert});
+      run({300, 8, 2, 256, 256}, {}, {.down_rows = true});
+      run({300, 8, 2, 256, 256}, {}, {.down_rows = false});
+      run({300, 8, 2, 256, 768}, {}, {.down_k_splits = 3, .down_rows = false});
+      run({300, 8, 2, 256, 256}, {.ids = ids_kind::random_filtered, .no_combine = true});
+      run({300, 8, 1, 256, 256}, {.weight_on_input = true});
+      run({300, 8, 2, 256, 256}, {.inplace = true});
+      run({1, 8, 2, 256, 256}, {});
+      run({0, 8, 2, 256, 256}, {});
     }
   }
   SUBCASE("128-row CTAs") {

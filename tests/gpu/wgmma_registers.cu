@@ -1,10 +1,10 @@
 // Device code only (compiled to a cubin by the kernels suite's ptxas_spills test): every sm_90a
 // wgmma GEMM the fused backends launch, for one 16-bit output type, with its work items in fixed
 // turns and (16-bit, and fp8 64-row CTAs alone or in pairs with the plain K loop) handed out at run
-// time. Their accumulators and the fp8 promotion's block live in registers under setmaxnreg
-// budgets; a spill in the K loop or the epilogue costs what the tile was chosen to save, so none
-// may spill; nor may ptxas serialize their wgmma (the overlapped and staggered fp8 K loops keep a
-// group in flight across other code).
+// time, and the fp8 GEMM2 with store warps. Their accumulators and the fp8 promotion's block live
+// in registers under setmaxnreg budgets; a spill in the K loop or the epilogue costs what the tile
+// was chosen to save, so none may spill; nor may ptxas serialize their wgmma (the overlapped and
+// staggered fp8 K loops keep a group in flight across other code).
 #include <cuda_bf16.h>
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
@@ -66,3 +66,9 @@ MOERUNNER_WGMMA_FP8(down, 1, g::fp8_block_m, stagger)
 MOERUNNER_WGMMA_FP8(gate_up, 2, g::fp8_block_m, stagger)
 MOERUNNER_WGMMA_FP8(up_only, 2, g::fp8_block_m, stagger)
 MOERUNNER_WGMMA_FP8(down, 2, g::fp8_block_m, stagger)
+#define MOERUNNER_WGMMA_FP8_STAGED(Cluster, Loop)                                                              \
+  template __global__ void k::moe_grouped_gemm_wgmma_fp8_kernel<bf16, k::moe_gemm_kind::down, Cluster, g::fp8_block_m, \
+                                                               g::fp8_k_loop::Loop, false, true>(                   \
+      const k::moe_gemm_fp8_params<bf16>, const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap);
+MOERUNNER_WGMMA_FP8_STAGED(1, plain)
+MOERUNNER_WGMMA_FP8_STAGED(2, plain)

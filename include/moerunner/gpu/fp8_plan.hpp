@@ -131,6 +131,9 @@ struct fp8_settings {
   std::optional<bool> down_rows = std::nullopt;
   // The wgmma GEMM2's A rows by TMA (true) or by the producer's cp.async (false); unset: TMA.
   std::optional<bool> down_a_tma = std::nullopt;
+  // The wgmma GEMM2's sums stored by store warps (fp8_plan::staged_down) where it may, with the
+  // plain K loop only (unset: never).
+  std::optional<bool> staged_down = std::nullopt;
 };
 
 struct fp8_plan {
@@ -151,6 +154,12 @@ struct fp8_plan {
   int down_k_splits = 1;
   down_store down = down_store::accumulate;
   bool down_a_tma = false;      // wgmma: GEMM2's A rows by TMA
+  // wgmma GEMM2 on 64-row CTAs alone or in pairs (A by TMA, fixed turns, the plain K loop: with
+  // the overlapped one the consumers spilled; not into K-split parts), only where asked: its
+  // consumers leave each item's sums in a shared-memory staging tile and go on to the next item,
+  // and three warps of the producer warpgroup store them, 16 bytes a lane (four stages instead
+  // of five). Not measured yet (bench/NOTES.md, round 26).
+  bool staged_down = false;
   bool combine_kernel = false;  // a combine kernel sums GEMM2's rows or parts per token afterwards
   bool clear_in_gemm1 = false;  // GEMM1 zeroes the output GEMM2 adds or scatters into
   fp8_workspace workspace;
@@ -167,6 +176,7 @@ struct fp8_plan {
     if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
     if (combine_kernel) s += " + combine kernel";
     if (down_a_tma) s += ", GEMM2's A by TMA";
+    if (staged_down) s += ", GEMM2 stored by store warps";
     s += "; workspace " + std::to_string(workspace.total) + " B (x e4m3 + scales " +
          std::to_string(workspace.x_q_bytes + workspace.x_scale_bytes) + ", act e4m3 + scales " +
          std::to_string(workspace.act_bytes + workspace.act_scale_bytes) +
@@ -252,6 +262,9 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
 
   p.expert_bands = !p.stream && num_tokens > 0 && settings.expert_bands.value_or(false);
   p.down_a_tma = !p.stream && num_tokens > 0 && settings.down_a_tma.value_or(true);
+  p.staged_down = p.down_a_tma && (p.tile == fp8_tile::m64 || p.tile == fp8_tile::m64x2) && !p.hand_out &&
+                  p.k_loop == fp8_k_loop::plain && p.down != down_store::partials &&
+                  settings.staged_down.value_or(false);
 
   const auto m = static_cast<std::size_t>(num_tokens);
   const auto r = static_cast<std::size_t>(slots);

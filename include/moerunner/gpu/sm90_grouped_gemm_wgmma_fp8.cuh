@@ -46,7 +46,8 @@ void quantize_rows_fp8(const T* x, std::int64_t rows, int h, std::uint8_t* q, fl
 // Sets the kernel's dynamic shared memory limit once per device, checks that a CTA (a cluster of
 // them) fits, and returns how many run at once: sm_count CTAs, or the clusters resident at once
 // (a cluster needs SMs of one GPC, which may leave some SMs out).
-template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM, fp8_k_loop Loop, bool HandOut>
+template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM, fp8_k_loop Loop, bool HandOut,
+          bool Staged = false>
 int prepare_wgmma_fp8_gemm(const device_facts& dev) {
   constexpr int cached_devices = 64;
   static std::array<std::atomic<int>, cached_devices> places{};  // 0: not prepared yet
@@ -54,8 +55,8 @@ int prepare_wgmma_fp8_gemm(const device_facts& dev) {
   if (cached) {
     if (const int n = places[dev.device].load(std::memory_order_relaxed); n > 0) return n;
   }
-  using shape = kernels::wgmma_fp8_shape<BlockM>;
-  const auto kernel = kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop, HandOut>;
+  using shape = kernels::wgmma_fp8_shape<BlockM, Staged>;
+  const auto kernel = kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop, HandOut, Staged>;
   MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shape::smem_bytes));
   int n = 0;
   if constexpr (Cluster == 1) {
@@ -79,14 +80,15 @@ int prepare_wgmma_fp8_gemm(const device_facts& dev) {
 // only); b is the e4m3 weights [num_experts, p.g.b_rows_per_expert, p.g.k]. Fills p.g.tiles,
 // tile_count and n_tiles. With p.g.item_counter (zero: schedule.item_counters) the work items
 // are handed out at run time (64-row CTAs alone or in pairs with the plain K loop only: the
-// 128-row CTAs' producer, at 40 registers, spilled with the hand-out's state).
+// 128-row CTAs' producer, at 40 registers, spilled with the hand-out's state). Staged (GEMM2 on
+// 64-row CTAs alone or in pairs, A by TMA, not into K-split parts): store warps write the sums.
 template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM = fp8_block_m,
-          fp8_k_loop Loop = fp8_k_loop::plain>
+          fp8_k_loop Loop = fp8_k_loop::plain, bool Staged = false>
 void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uint8_t* b, int num_experts,
                                const tile_schedule& schedule, const device_facts& dev, cudaStream_t stream,
                                bool dependent_launch = false) {
   constexpr const char* where = "gpu::launch_moe_gemm_wgmma_fp8";
-  using tile_t = kernels::moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Loop>;
+  using tile_t = kernels::moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Loop, false, Staged>;
   kernels::moe_gemm_params<T>& g = p.g;
   MOE_EXPECT(schedule.block_m == tile_t::schedule_block_m, where, "the tile schedule was built for another block_m");
   if (!wgmma_gemm_available(dev))
@@ -104,6 +106,8 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
   // rows, zeros past a_rows. Without them the kernel never reads the map (B's is passed).
   MOE_EXPECT(!p.a_tma || (Kind == kernels::moe_gemm_kind::down && g.a_rows > 0 && g.a_rows <= 0x7fffffff), where,
              "only GEMM2 loads its A rows by TMA, and their count must be set");
+  MOE_EXPECT(!Staged || (p.a_tma && g.store != kernels::down_store::partials && g.item_counter == nullptr), where,
+             "GEMM2's store warps need its A rows by TMA, a 16-bit store and fixed turns");
   const CUtensorMap a_map =
       p.a_tma ? weight_tensor_map(p.a, g.a_rows, static_cast<int>(g.a_rows), g.k, 1, false, tile_t::bm) : map;
   const bool hand_out = g.item_counter != nullptr;
@@ -111,7 +115,8 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
   MOE_EXPECT(!hand_out || may_hand_out, where,
              "work items are handed out to 64-row CTAs alone or in pairs with the plain K loop only");
   int places = 0;
-  if constexpr (may_hand_out)
+  if constexpr (Staged) places = prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop, false, true>(dev);
+  else if constexpr (may_hand_out)
     places = hand_out ? prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop, true>(dev)
                       : prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop, false>(dev);
   else places = prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop, false>(dev);
@@ -135,7 +140,7 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
   g.tile_count = schedule.count;
   g.n_tiles = static_cast<int>(n_tiles);
   const dim3 grid(static_cast<unsigned>(clusters * Cluster));
-  if constexpr (may_hand_out) {
+  if constexpr (may_hand_out && !Staged) {
     if (hand_out) {
       launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop, true>,
                                 grid, dim3(tile_t::threads), tile_t::smem_bytes, stream, dependent_launch, Cluster, p,
@@ -144,9 +149,9 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
       return;
     }
   }
-  launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop, false>, grid,
-                            dim3(tile_t::threads), tile_t::smem_bytes, stream, dependent_launch, Cluster, p, a_map,
-                            map);
+  launch_dependent_clusters(kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop, false, Staged>,
+                            grid, dim3(tile_t::threads), tile_t::smem_bytes, stream, dependent_launch, Cluster, p,
+                            a_map, map);
   MOE_CUDA_CHECK_LAUNCH("moe_grouped_gemm_wgmma_fp8_kernel");
 }
 

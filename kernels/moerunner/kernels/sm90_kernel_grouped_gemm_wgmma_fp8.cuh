@@ -52,6 +52,14 @@
 // build with MOERUNNER_RELEASE_ALL_LANES, meson setup -Dcuda_args=-DMOERUNNER_RELEASE_ALL_LANES,
 // has every consumer lane release the stage, to tell which of the two racecheck does not follow.)
 //
+// Store warps (Staged, GEMM2 on 64-row CTAs alone or in pairs, plain K loop, A by TMA; only where
+// asked): warp 0 of the producer warpgroup alone loads the stages (A and B boxes, the scales two
+// a lane), and warps 1-3 store GEMM2's sums. The consumers write each item's sums (times the
+// row's factor, packed as the direct epilogue packs them) into a staging tile after the ring,
+// arrive on staged_full and start the next item; the store warps, walking the same items, copy
+// one row per warp instruction (16 bytes a lane) to the rows, slots or (16-byte reductions) the
+// output, then arrive on staged_empty, which the consumers wait on before the next item's writes.
+//
 // GEMM1's epilogue: act = activation(gate, up) in f32 (times the router weight where applied on
 // the input), each row's amax over the CTA's 128 columns (a quad shuffle, then across the two
 // blocks: in the thread's registers with 128-row tiles, else the two warpgroups' halves through
@@ -82,18 +90,23 @@
 
 namespace moerunner::kernels {
 
-// The tile's constants (sizes from the run plan's), shared with the launch code.
-template <int BlockM>
+// The tile's constants (sizes from the run plan's), shared with the launch code. Staged (GEMM2's
+// store warps, 64-row tiles): four stages and a staging tile of the CTA's 64 x 256 bf16 sums,
+// rows padded by 16 bytes (a warp's 4-byte writes of 8 rows x 4 pairs then hit 32 banks).
+template <int BlockM, bool Staged = false>
 struct wgmma_fp8_shape {
   static constexpr int block_m = BlockM, block_n = gpu::fp8_down_cols, block_k = gpu::fp8_block_k;
-  static constexpr int stages = BlockM == gpu::fp8_block_m ? 5 : 4, consumers = 2;
+  static constexpr int stages = BlockM == gpu::fp8_block_m && !Staged ? 5 : 4, consumers = 2;
+  static_assert(!Staged || BlockM == gpu::fp8_block_m, "the store warps take 64-row tiles");
   static_assert((block_m == gpu::fp8_block_m || block_m == gpu::fp8_large_block_m) && block_n == 256 &&
                     block_k == 128,
                 "the layout below is written for 64 or 128 x 256 x 128");
   static constexpr int a_bytes = block_m * block_k, b_bytes = block_n * block_k;
   static constexpr int scale_bytes = 1024;  // A scales (64 or 128 floats), B scales (4), padding to 1024
   static constexpr int stage_bytes = a_bytes + b_bytes + scale_bytes;
-  static constexpr int smem_bytes = stages * stage_bytes + 1024;  // + alignment slack
+  static constexpr int staging_row_bytes = 2 * block_n + 16;
+  static constexpr int staging_bytes = Staged ? block_m * staging_row_bytes : 0;
+  static constexpr int smem_bytes = stages * stage_bytes + staging_bytes + 1024;  // + alignment slack
   static constexpr int threads = 128 * (1 + consumers);
   static_assert(smem_bytes <= 227 * 1024, "the ring must fit in shared memory");
   static_assert(stage_bytes % 1024 == 0 && a_bytes % 1024 == 0, "tiles start on swizzle-pattern boundaries");
@@ -120,11 +133,16 @@ struct ring_slot {
 };
 
 template <class T, moe_gemm_kind Kind, int Cluster, int BlockM = gpu::fp8_block_m,
-          gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain, bool HandOut = false>
-struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
-  using shape = wgmma_fp8_shape<BlockM>;
+          gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain, bool HandOut = false, bool Staged = false>
+struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
+  using shape = wgmma_fp8_shape<BlockM, Staged>;
   using shape::a_bytes, shape::b_bytes, shape::block_k, shape::block_m, shape::block_n, shape::consumers,
-      shape::scale_bytes, shape::stage_bytes, shape::stages;
+      shape::scale_bytes, shape::stage_bytes, shape::stages, shape::staging_row_bytes;
+  // Staged: GEMM2's consumers leave their sums (times the row's factor, as bf16/f16 pairs) in the
+  // staging tile and go on to the next item; producer warps 1-3 store them, 16 bytes a lane, one
+  // row per warp instruction, while warp 0 alone loads the stages (A by TMA only).
+  static_assert(!Staged || (Kind == moe_gemm_kind::down && !HandOut && Cluster <= 2),
+                "store warps are for GEMM2 in fixed turns, alone or in pairs");
   static_assert(Cluster == 1 || Cluster == 2 || Cluster == 4, "CTAs run alone, in pairs or in fours along M");
   static_assert(Cluster <= 2 || (Loop == gpu::fp8_k_loop::plain && !HandOut),
                 "fours of CTAs run the plain K loop in fixed turns");
@@ -143,6 +161,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   static constexpr int b_scales = boxes;  // per stage: one per B box (each warpgroup's gate, and up, rows)
   static constexpr int a_scale_offset = a_bytes + b_bytes, b_scale_offset = a_scale_offset + block_m * 4;
   static constexpr int producer_threads = 128, consumer_warps = 4 * consumers;
+  // Threads that load the stages (and arrive on their full barriers), and the store warps.
+  static constexpr int load_threads = Staged ? 32 : producer_threads;
+  static constexpr int store_warps = (producer_threads - load_threads) / 32;
   // Lanes of a consumer warp that release a stage (see MOERUNNER_RELEASE_ALL_LANES above).
 #if defined(MOERUNNER_RELEASE_ALL_LANES)
   static constexpr int release_lanes = 32;
@@ -171,6 +192,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
   struct barriers {
     std::uint64_t full[stages];
     std::uint64_t empty[stages];
+    std::uint64_t staged_full, staged_empty;  // Staged: the staging tile holds an item's sums / is free
   };
   static_assert(work_item_ring::depth > stages + 2, "the producer must never wait for a work item slot");
   static_assert(!HandOut || (!lean_producer && Loop == gpu::fp8_k_loop::plain),
@@ -237,13 +259,20 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     const int tiles = *g.tile_count;
     items_t items = items_of(g, item_ring);
     const cta_place me = items.me;
-    // Per stage, thread t < bm copies row t's A scale (whole warps: no lane of a copying warp
-    // idles), and lane j < b_scales of the last warp box j's B scale.
-    const bool copies_a_scale = tid < bm;
-    const int b_scale_box = tid - (producer_threads - 32);
+    if constexpr (Staged) {
+      if (tid >= load_threads) {
+        store_rows(p, ring + stages * stage_bytes, bars, item_ring, tid - load_threads);
+        return;
+      }
+    }
+    // Per stage, the loading threads copy A scales of rows tid, tid + load_threads, .. (whole
+    // warps: no lane of a copying warp idles), and lane j < b_scales of the last loading warp box
+    // j's B scale.
+    constexpr int a_scale_copies = (bm + load_threads - 1) / load_threads;
+    const int b_scale_box = tid - (load_threads - 32);
     // GEMM2's A rows (act, in plan order) by one TMA box per stage: the tile's rows and whatever
     // follows them (never stored: a wgmma row reads only its own A row), zeros past act's end.
-    const bool a_tma = Kind == moe_gemm_kind::down && p.a_tma;
+    const bool a_tma = Kind == moe_gemm_kind::down && (Staged || p.a_tma);  // one loading warp: TMA only
     ring_slot<stages> slot;
     for (auto w = items.first(); w < items.work; w = items.next_warp(w)) {
       items.ask();
@@ -254,10 +283,16 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       split_k_range(k_tiles, item.split, g.k_splits, kt_begin, kt_end);
       a_row a_src_row[a_passes];
 #pragma unroll
-      for (int i = 0; i < a_passes; ++i)
-        a_src_row[i] = a_row_of(a_source_row<Kind>(tile, ld_row + i * rows_per_pass, g.row_to_slot, g.top_k), g.k);
-      const a_row a_scale_row =
-          copies_a_scale ? a_row_of(a_source_row<Kind>(tile, tid, g.row_to_slot, g.top_k), g.k) : a_row_of(-1, g.k);
+      for (int i = 0; i < a_passes; ++i) {
+        const int r = ld_row + i * rows_per_pass;  // (Staged: A by TMA, no row to copy)
+        a_src_row[i] = a_row_of(Staged ? -1 : a_source_row<Kind>(tile, r, g.row_to_slot, g.top_k), g.k);
+      }
+      a_row a_scale_row[a_scale_copies];
+#pragma unroll
+      for (int i = 0; i < a_scale_copies; ++i) {
+        const int r = tid + i * load_threads;
+        a_scale_row[i] = a_row_of(r < bm ? a_source_row<Kind>(tile, r, g.row_to_slot, g.top_k) : -1, g.k);
+      }
       // The B scale this thread copies per stage, or none (per channel: the epilogue applies the scales).
       const bool per_block = p.b_scaling == fp8_weight_scaling::block128;
       const bool copies_b_scale =
@@ -319,10 +354,13 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
                         p.a + (ok ? a_data_offset(a_src_row[i], g.k, kcol) : 0), ok);
           }
         }
-        if (copies_a_scale) {
-          const bool ok = a_row_valid(a_scale_row);
-          cp_async_4(smem_address(sa + a_scale_offset + tid * 4),
-                     p.a_scale + (ok ? a_scale_index(a_scale_row, a_scale_stride, kt) : 0), ok);
+#pragma unroll
+        for (int i = 0; i < a_scale_copies; ++i) {
+          const int r = tid + i * load_threads;
+          if (r >= bm) break;
+          const bool ok = a_row_valid(a_scale_row[i]);
+          cp_async_4(smem_address(sa + a_scale_offset + r * 4),
+                     p.a_scale + (ok ? a_scale_index(a_scale_row[i], a_scale_stride, kt) : 0), ok);
         }
         if (copies_b_scale)
           cp_async_4(smem_address(sa + b_scale_offset + b_scale_box * 4),
@@ -330,6 +368,62 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
         cp_async_arrive_noinc(&bars.full[stage]);
       }
       items.publish();
+    }
+  }
+
+  // Staged: store warp `warp` (0..store_warps-1) of the CTA walks the items as the consumers do
+  // and, for each with rows, waits for its sums in the staging tile, stores rows warp, warp +
+  // store_warps, .. of it (lane l: columns n0 + 8l .. + 7, 16 bytes; a reduction into the output
+  // where GEMM2 accumulates) and frees the tile.
+  __device__ static void store_rows(const moe_gemm_fp8_params<T>& p, const unsigned char* staging, barriers& bars,
+                                    work_item_ring* item_ring, int t) {
+    const moe_gemm_params<T>& g = p.g;
+    const int warp = t / 32, lane = t % 32;
+    const int tiles = *g.tile_count;
+    items_t items = items_of(g, item_ring);
+    const cta_place me = items.me;
+    std::uint32_t phase = 0;
+    for (auto w = items.first(); w < items.work; w = items.next_warp(w)) {
+      const moe_work_item item = decode_work_item(w, tiles, g.n_tiles, g.k_splits, g.raster_band, band_tiles_of(g));
+      const gpu::moe_m_tile tile = cluster_cta_rows<Cluster, bm>(g.tiles[item.m_tile], me.rank);
+      const int rows = tile.row_end - tile.row_begin;
+      if (rows <= 0) continue;  // (its consumers stage nothing either)
+      const int col = item.n_tile * out_cols + 8 * lane;
+      mbarrier_wait(&bars.staged_full, phase);
+      phase ^= 1u;
+      if (col < g.n) {  // n is a multiple of 128: 8 columns are wholly in or out
+        for (int r = warp; r < rows && r < bm; r += store_warps) {
+          // down_target's row without its factor (the consumers applied it).
+          const int row = tile.row_begin + r;
+          const std::int64_t slot = g.store == down_store::rows ? row : g.row_to_slot[row];
+          const std::int64_t out_row = g.store == down_store::accumulate ? slot / g.top_k : slot;
+          T* dst = g.c + out_row * g.n + col;
+          const uint4 v = *reinterpret_cast<const uint4*>(staging + r * staging_row_bytes + 16 * lane);
+          if (g.store == down_store::accumulate) atomic_add8(dst, {v.x, v.y, v.z, v.w});
+          else *reinterpret_cast<uint4*>(dst) = v;
+        }
+      }
+      __syncwarp();
+      if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.staged_empty);
+    }
+  }
+
+  // Staged: the warpgroup's sums of the tile's rows (block `block`'s 128 columns) times each row's
+  // factor, as 16-bit pairs into the staging tile: the values and rounding of the direct epilogue.
+  __device__ __forceinline__ static void stage_rows(const moe_gemm_params<T>& g, const gpu::moe_m_tile& tile,
+                                                    unsigned char* staging, int block, int warp, int lane,
+                                                    const float (&acc)[64 * blocks]) {
+    const int rows = tile.row_end - tile.row_begin;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * warp + lane / 4 + 8 * h;
+      if (r >= rows) continue;
+      const float f = down_target<T>::at(g, tile.row_begin + r).factor;
+      unsigned char* dst = staging + r * staging_row_bytes + 2 * (128 * block + 2 * (lane % 4));
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<std::uint32_t*>(dst + 16 * j) =
+            mma_16816<T>::pack2(acc[4 * j + 2 * h] * f, acc[4 * j + 2 * h + 1] * f);
     }
   }
 
@@ -355,6 +449,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
     const std::uint64_t a_desc = sw128_kmajor_desc(ring_addr + row_base * bk);
     const std::uint64_t b_desc = sw128_kmajor_desc(ring_addr + a_bytes);
     ring_slot<stages> slot;  // the stage of the CTA's next K tile
+    std::uint32_t staged_phase = 0;  // Staged: items staged so far, mod 2
     int exchange = 0;  // which half of amax_exchange this item uses (see the gate_up epilogue)
     // stagger: warpgroup 0 issues first; each then waits on its own turn barrier and passes the
     // other's. The two run the same blocks in the same order, so the turns pair up; warpgroup 0
@@ -431,7 +526,15 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
       // every value, every item's epilogue carried ~200 predicated loads and their tests (fp8
       // decode, where items are short, lost 2-12%: bench/NOTES.md, round 14).
       if (per_channel) scale_columns(p, tile, n0, first_block, lane, acc);
-      if constexpr (Kind == moe_gemm_kind::down) {
+      if constexpr (Staged) {
+        // The store warps have stored the last item's sums (a fresh barrier counts as having
+        // completed the phase before its first).
+        mbarrier_wait(&bars.staged_empty, staged_phase ^ 1u);
+        stage_rows(g, tile, ring + stages * stage_bytes, first_block, warp, lane, acc);
+        __syncwarp();
+        if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.staged_full);
+        staged_phase ^= 1u;
+      } else if constexpr (Kind == moe_gemm_kind::down) {
 #pragma unroll
         for (int blk = 0; blk < blocks; ++blk)
           wgmma_epilogue<T, Kind>::template store<16, false>(
@@ -714,12 +817,12 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM> {
 // (GEMM2 into the output or f32 parts only). The body exists only in sm_90a code; elsewhere it
 // traps (the launch code checks first).
 template <class T, moe_gemm_kind Kind, int Cluster, int BlockM, gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain,
-          bool HandOut = false>
-__global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
+          bool HandOut = false, bool Staged = false>
+__global__ void __launch_bounds__(wgmma_fp8_shape<BlockM, Staged>::threads, 1)
     moe_grouped_gemm_wgmma_fp8_kernel(const moe_gemm_fp8_params<T> p, const __grid_constant__ CUtensorMap a_map,
                                       const __grid_constant__ CUtensorMap b_map) {
 #if MOERUNNER_WGMMA_COMPILED
-  using tile_t = moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Loop, HandOut>;
+  using tile_t = moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Loop, HandOut, Staged>;
   __shared__ typename tile_t::barriers bars;
   __shared__ work_item_ring item_ring;  // handed-out work items only
   __shared__ float amax_exchange[2][tile_t::consumers][tile_t::block_m];
@@ -728,11 +831,15 @@ __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
   unsigned char* ring = wgmma_fp8_smem_raw + (((raw + 1023) & ~1023u) - raw);
   if (threadIdx.x == 0) {
     for (int s = 0; s < tile_t::stages; ++s) {
-      cuda::ptx::mbarrier_init(&bars.full[s], tile_t::producer_threads + 1);
+      cuda::ptx::mbarrier_init(&bars.full[s], tile_t::load_threads + 1);
       // Every consumer warp of the cluster releases every CTA's stage (see the consumer).
       cuda::ptx::mbarrier_init(&bars.empty[s], tile_t::consumer_warps * tile_t::release_lanes * Cluster);
     }
     if constexpr (HandOut) init_work_item_ring<Cluster>(item_ring, tile_t::item_readers);
+    if constexpr (Staged) {
+      cuda::ptx::mbarrier_init(&bars.staged_full, tile_t::consumer_warps);
+      cuda::ptx::mbarrier_init(&bars.staged_empty, tile_t::store_warps);
+    }
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&b_map) : "memory");
     if (p.a_tma) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&a_map) : "memory");

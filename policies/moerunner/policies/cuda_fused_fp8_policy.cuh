@@ -90,8 +90,8 @@ class cuda_fused_fp8_policy {
   // Force the stream GEMMs, pairs or fours of wgmma CTAs or 128-row wgmma CTAs on or off, the wgmma
   // GEMMs' K loop or raster band (or bands of one expert's tiles), their work items handed out at
   // run time, GEMM2's K splits, its rows for the combine kernel against its reductions into the
-  // output, or its A rows by TMA against cp.async (unset: the plan's rules), for measuring one
-  // against the other (gpu::fp8_settings).
+  // output, its A rows by TMA against cp.async, or its sums stored by store warps (unset: the
+  // plan's rules), for measuring one against the other (gpu::fp8_settings).
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
   void set_quads(std::optional<bool> on) noexcept { settings_.quads = on; }
@@ -105,6 +105,7 @@ class cuda_fused_fp8_policy {
   void set_expert_bands(std::optional<bool> on) noexcept { settings_.expert_bands = on; }
   void set_down_rows(std::optional<bool> on) noexcept { settings_.down_rows = on; }
   void set_down_a_tma(std::optional<bool> on) noexcept { settings_.down_a_tma = on; }
+  void set_staged_down(std::optional<bool> on) noexcept { settings_.staged_down = on; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
@@ -294,6 +295,14 @@ class cuda_fused_fp8_policy {
         else
           gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster, BlockM, Loop>(g1, w13, experts,
                                                                                               schedule, dev, stream);
+        // Store warps only where the plan takes them (64-row CTAs alone or in pairs, plain K loop).
+        if constexpr (BlockM == gpu::fp8_block_m && Cluster <= 2 && Loop == gpu::fp8_k_loop::plain) {
+          if (pl.staged_down) {
+            gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, Loop, true>(g2, w2, experts,
+                                                                                                 schedule, dev, stream);
+            return;
+          }
+        }
         gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, Loop>(g2, w2, experts, schedule,
                                                                                         dev, stream);
       };
