@@ -123,8 +123,8 @@ using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_fp8_policy>;
 
 // Device copies of an fp8 problem and a runner with exactly the workspace it asks for; `forced`
 // forces the stream GEMMs, the pairs or fours of CTAs or the 128-row CTAs on or off, the K loop, the
-// raster band, the work items handed out, GEMM2's K splits or its rows against its reductions
-// (unset: the plan's rules).
+// raster band, the work items handed out, GEMM2's K splits, its rows against its reductions, its
+// A rows by TMA or its store warps (unset: the plan's rules).
 struct fp8_on_device {
   mr::test::device_tensor x, xq, xs, w13, w2, s13, s2, weights, ids;
   mr::test::device_buffer out_buf, ws_buf;

@@ -21,10 +21,12 @@ using bf16 = __nv_bfloat16;
 #define MOERUNNER_WGMMA_16(Policy, Kind)      \
   MOERUNNER_WGMMA_16_AS(Policy, Kind, false) \
   MOERUNNER_WGMMA_16_AS(Policy, Kind, true)
-#define MOERUNNER_WGMMA_FP8_AS(Kind, Cluster, BlockM, Loop, HandOut)                                        \
+#define MOERUNNER_WGMMA_FP8_KERNEL(Kind, Cluster, BlockM, Loop, HandOut, Staged)                            \
   template __global__ void k::moe_grouped_gemm_wgmma_fp8_kernel<bf16, k::moe_gemm_kind::Kind, Cluster, BlockM, \
-                                                               g::fp8_k_loop::Loop, HandOut>(                \
+                                                               g::fp8_k_loop::Loop, HandOut, Staged>(        \
       const k::moe_gemm_fp8_params<bf16>, const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap);
+#define MOERUNNER_WGMMA_FP8_AS(Kind, Cluster, BlockM, Loop, HandOut) \
+  MOERUNNER_WGMMA_FP8_KERNEL(Kind, Cluster, BlockM, Loop, HandOut, false)
 #define MOERUNNER_WGMMA_FP8(Kind, Cluster, BlockM, Loop) MOERUNNER_WGMMA_FP8_AS(Kind, Cluster, BlockM, Loop, false)
 #define MOERUNNER_WGMMA_FP8_HANDED_OUT(Kind, Cluster, BlockM) \
   MOERUNNER_WGMMA_FP8_AS(Kind, Cluster, BlockM, plain, false)  \
@@ -66,9 +68,5 @@ MOERUNNER_WGMMA_FP8(down, 1, g::fp8_block_m, stagger)
 MOERUNNER_WGMMA_FP8(gate_up, 2, g::fp8_block_m, stagger)
 MOERUNNER_WGMMA_FP8(up_only, 2, g::fp8_block_m, stagger)
 MOERUNNER_WGMMA_FP8(down, 2, g::fp8_block_m, stagger)
-#define MOERUNNER_WGMMA_FP8_STAGED(Cluster, Loop)                                                              \
-  template __global__ void k::moe_grouped_gemm_wgmma_fp8_kernel<bf16, k::moe_gemm_kind::down, Cluster, g::fp8_block_m, \
-                                                               g::fp8_k_loop::Loop, false, true>(                   \
-      const k::moe_gemm_fp8_params<bf16>, const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap);
-MOERUNNER_WGMMA_FP8_STAGED(1, plain)
-MOERUNNER_WGMMA_FP8_STAGED(2, plain)
+MOERUNNER_WGMMA_FP8_KERNEL(down, 1, g::fp8_block_m, plain, false, true)
+MOERUNNER_WGMMA_FP8_KERNEL(down, 2, g::fp8_block_m, plain, false, true)

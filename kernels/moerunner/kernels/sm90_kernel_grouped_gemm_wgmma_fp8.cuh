@@ -251,6 +251,12 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
                                   unsigned char* ring, barriers& bars, work_item_ring* item_ring) {
     const moe_gemm_params<T>& g = p.g;
     const int tid = threadIdx.x;  // 0..127
+    if constexpr (Staged) {
+      if (tid >= load_threads) {
+        store_rows(p, ring + stages * stage_bytes, bars, item_ring, tid - load_threads);
+        return;
+      }
+    }
     const int ld_row = tid / chunks_per_row, ld_chunk = tid % chunks_per_row;
     const int st_chunk = ld_chunk ^ (ld_row & 7);  // rows_per_pass is a multiple of 8
     const int k_tiles = g.k / bk;
@@ -259,12 +265,6 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
     const int tiles = *g.tile_count;
     items_t items = items_of(g, item_ring);
     const cta_place me = items.me;
-    if constexpr (Staged) {
-      if (tid >= load_threads) {
-        store_rows(p, ring + stages * stage_bytes, bars, item_ring, tid - load_threads);
-        return;
-      }
-    }
     // Per stage, the loading threads copy A scales of rows tid, tid + load_threads, .. (whole
     // warps: no lane of a copying warp idles), and lane j < b_scales of the last loading warp box
     // j's B scale.
@@ -393,11 +393,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
       phase ^= 1u;
       if (col < g.n) {  // n is a multiple of 128: 8 columns are wholly in or out
         for (int r = warp; r < rows && r < bm; r += store_warps) {
-          // down_target's row without its factor (the consumers applied it).
-          const int row = tile.row_begin + r;
-          const std::int64_t slot = g.store == down_store::rows ? row : g.row_to_slot[row];
-          const std::int64_t out_row = g.store == down_store::accumulate ? slot / g.top_k : slot;
-          T* dst = g.c + out_row * g.n + col;
+          T* dst = down_target<T>::at(g, tile.row_begin + r).dst + col;  // (the consumers applied its factor)
           const uint4 v = *reinterpret_cast<const uint4*>(staging + r * staging_row_bytes + 16 * lane);
           if (g.store == down_store::accumulate) atomic_add8(dst, {v.x, v.y, v.z, v.w});
           else *reinterpret_cast<uint4*>(dst) = v;
