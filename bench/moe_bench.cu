@@ -38,7 +38,8 @@
 // reductions into the output, forced wherever the run may take either); cuda_fused_down_cp_async and
 // cuda_fused_fp8_down_cp_async (the wgmma GEMM2's A rows by the producer's cp.async, not by TMA),
 // cuda_fused_fp8_staged (the wgmma GEMM2's sums stored by store warps where it may, with the plain
-// K loop, which they take: against cuda_fused_fp8_plain).
+// K loop, which they take: against cuda_fused_fp8_plain), cuda_fused_fp8_dependent (the wgmma
+// GEMMs launched as programmatic dependents, loading their first weight tiles before their wait).
 // With the wgmma GEMMs' work items handed out at run time (set_hand_out): cuda_fused_handed_out,
 // cuda_fused_m128x2_handed_out, cuda_fused_fp8_handed_out, cuda_fused_fp8_single_handed_out and
 // cuda_fused_fp8_pairs_handed_out, each the row of the same name without the suffix otherwise.
@@ -155,6 +156,7 @@ struct backend_variant {
   std::optional<bool> fp8_down_rows = std::nullopt;  // cuda_fused_fp8: GEMM2's rows or reductions (unset: the plan's)
   std::optional<bool> down_a_tma = std::nullopt;  // the wgmma GEMM2's A by TMA or cp.async (unset: the plan's)
   std::optional<bool> fp8_staged_down = std::nullopt;  // cuda_fused_fp8: GEMM2's store warps (unset: the plan's)
+  std::optional<bool> fp8_dependent = std::nullopt;  // cuda_fused_fp8: dependent wgmma launches (unset: the plan's)
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -237,6 +239,9 @@ constexpr backend_variant backend_variants[] = {
      .deterministic = false, .by_default = false, .down_a_tma = false},
     {.label = "cuda_fused_fp8_staged", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .fp8_k_loop = mr::gpu::fp8_k_loop::plain, .fp8_staged_down = true},
+    {.label = "cuda_fused_fp8_dependent", .backend = "cuda_fused_fp8",
+     .tuning = mr::gpu::gemm_tuning_choice::automatic, .deterministic = false, .by_default = false,
+     .fp8_dependent = true},
     {.label = "cuda_fused_expert_bands", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .expert_bands = true},
     {.label = "cuda_fused_fp8_expert_bands", .backend = "cuda_fused_fp8",
@@ -762,6 +767,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_down_rows(variant->fp8_down_rows);
           core.set_down_a_tma(variant->down_a_tma);
           core.set_staged_down(variant->fp8_staged_down);
+          core.set_dependent_gemms(variant->fp8_dependent);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

@@ -681,6 +681,24 @@ TEST_CASE("fp8 plan: GEMM2's store warps only where asked, with the plain K loop
   CHECK_FALSE(parts.staged_down);
 }
 
+TEST_CASE("fp8 plan: dependent wgmma launches only where asked, nothing else changed") {
+  for (const moe_config_params& c : {mixtral(), deepseek(), qwen3()})
+    for (const std::int64_t m : {0, 1, 8, 64, 512, 4096, 16384}) {
+      CAPTURE(m);
+      const g::fp8_plan base = fp8_plan_of(c, m);
+      CHECK_FALSE(base.dependent_gemms);  // never by default
+      const g::fp8_plan p = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.dependent_gemms = true});
+      CHECK(p.dependent_gemms == (!p.stream && m > 0));  // (the stream GEMMs are dependents already)
+      CHECK((p.describe().find("dependent launches") != std::string::npos) == p.dependent_gemms);
+      CHECK(p.stream == base.stream);
+      CHECK(p.tile == base.tile);
+      CHECK(p.k_loop == base.k_loop);
+      CHECK(p.down == base.down);
+      CHECK(p.down_k_splits == base.down_k_splits);
+      CHECK(p.workspace.total == base.workspace.total);
+    }
+}
+
 TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
   moe_config_params det = mixtral();
   det.deterministic = true;

@@ -150,6 +150,7 @@ struct fp8_on_device {
         core.set_down_rows(forced.down_rows);
         core.set_down_a_tma(forced.down_a_tma);
         core.set_staged_down(forced.staged_down);
+        core.set_dependent_gemms(forced.dependent_gemms);
       }
     });
     if (p.prequantized) {
@@ -244,6 +245,8 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
   if (forced.staged_down.value_or(false) && forced.k_loop == mr::gpu::fp8_k_loop::plain &&
       !forced.stream.value_or(false) && s.m > 0 && !o.deterministic && !forced.tall.value_or(false))
     CHECK(g.runner.describe(s.m).find("GEMM2 stored by store warps") != std::string::npos);
+  if (forced.dependent_gemms && !forced.stream.value_or(false) && s.m > 0)
+    CHECK((g.runner.describe(s.m).find("dependent launches") != std::string::npos) == *forced.dependent_gemms);
   if (forced.down_a_tma && !forced.stream.value_or(false) && s.m > 0)
     CHECK((g.runner.describe(s.m).find("GEMM2's A by TMA") != std::string::npos) == *forced.down_a_tma);
   const host_tensor got = g.run_once(p);
@@ -433,6 +436,31 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       run({1, 8, 2, 256, 256}, {});
       run({0, 8, 2, 256, 256}, {});
     }
+  }
+  SUBCASE("the wgmma GEMMs launched as programmatic dependents") {
+    // Forced (the plan takes them only when asked): each GEMM loads its first item's first
+    // weight tiles before its wait. Single CTAs, pairs and 128-row CTAs, both K loops; GEMM2 in
+    // K splits (a CTA's first item a later split); in place (GEMM1, after the input's
+    // quantization, clears the output that is its input); e4m3 input (GEMM1 then not a
+    // dependent); more items than CTAs at decode sizes; 0 and 1 tokens.
+    const auto run = [&](const shape& c, const options& o, mr::gpu::fp8_settings f = {}, bool prequantized = false) {
+      f.stream = false, f.dependent_gemms = true;
+      worst = std::max(worst, check_case(c, bf16, o, rng, prequantized, mr::fp8_weight_scaling::block128, f));
+    };
+    for (const auto loop : {mr::gpu::fp8_k_loop::plain, mr::gpu::fp8_k_loop::overlap}) {
+      CAPTURE(static_cast<int>(loop));
+      run({97, 8, 2, 256, 256}, {}, {.pairs = false, .k_loop = loop});
+      run({600, 8, 2, 256, 256}, {.ids = ids_kind::skewed}, {.pairs = true, .k_loop = loop});
+      run({300, 8, 2, 256, 768}, {}, {.pairs = false, .k_loop = loop, .down_k_splits = 3});
+      run({300, 8, 2, 256, 256}, {.inplace = true}, {.pairs = false, .k_loop = loop});
+      run({300, 8, 2, 256, 256}, {}, {.pairs = false, .k_loop = loop}, true);
+    }
+    run({600, 8, 2, 256, 256}, {}, {.pairs = false, .tall = true});
+    run({64, 128, 8, 512, 256}, {}, {.pairs = false});  // ~50 active experts: several items per CTA
+    run({300, 8, 2, 256, 256}, {.deterministic = true}, {.pairs = false});
+    run({300, 8, 2, 256, 256}, {.ids = ids_kind::random_filtered, .no_combine = true}, {.pairs = false});
+    run({1, 8, 2, 256, 256}, {}, {.pairs = false});
+    run({0, 8, 2, 256, 256}, {}, {.pairs = false});
   }
   SUBCASE("128-row CTAs") {
     // Forced on (the plan takes them only when asked) at 12-150 rows per expert, where experts'
@@ -656,12 +684,8 @@ TEST_CASE("fp8: NaN stays in its token") {
 TEST_CASE("fp8: deterministic bits across runs and under graph replay") {
   if (!fp8_gpu()) return;
   std::mt19937 rng(mr::test::test_seed());
-  for (int m : {1, 200}) {
-    fp8_problem p({m, 16, 4, 512, 256}, mr::dtype::bf16, {.deterministic = true}, rng);
-    fp8_on_device g(p);
-    const host_tensor first = g.run_once(p);
-    const host_tensor second = g.run_once(p);
-    CHECK(std::memcmp(first.view.data, second.view.data, first.view.bytes()) == 0);
+  // Three graph replays into a poisoned output, each the bits of `first`.
+  const auto replays_match = [](fp8_on_device& g, const fp8_problem& p, const host_tensor& first) {
     cudaStream_t s;
     MOE_CUDA_CHECK(cudaStreamCreate(&s));
     cudaGraph_t graph;
@@ -680,6 +704,22 @@ TEST_CASE("fp8: deterministic bits across runs and under graph replay") {
     MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
     MOE_CUDA_CHECK(cudaGraphDestroy(graph));
     MOE_CUDA_CHECK(cudaStreamDestroy(s));
+  };
+  for (int m : {1, 200}) {
+    CAPTURE(m);
+    fp8_problem p({m, 16, 4, 512, 256}, mr::dtype::bf16, {.deterministic = true}, rng);
+    fp8_on_device g(p);
+    const host_tensor first = g.run_once(p);
+    const host_tensor second = g.run_once(p);
+    CHECK(std::memcmp(first.view.data, second.view.data, first.view.bytes()) == 0);
+    replays_match(g, p, first);
+    // The wgmma GEMMs launched as programmatic dependents change when the kernels start, not
+    // what they add (at one token the plan takes the stream GEMMs unless told otherwise).
+    if (m > 1) {
+      fp8_on_device dep(p, {.stream = false, .dependent_gemms = true});
+      CHECK(std::memcmp(first.view.data, dep.run_once(p).view.data, first.view.bytes()) == 0);
+      replays_match(dep, p, first);
+    }
   }
 }
 

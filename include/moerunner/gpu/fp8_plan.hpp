@@ -105,7 +105,8 @@ struct fp8_workspace {
 
 // Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
 // set_stream_gemms, set_pairs, set_quads, set_tall, set_k_loop, set_raster_band,
-// set_down_k_splits, set_down_rows and set_down_a_tma); unset, the plan's rules decide.
+// set_down_k_splits, set_down_rows, set_down_a_tma, set_staged_down and set_dependent_gemms);
+// unset, the plan's rules decide.
 // Batch-invariant runs keep single 64-row wgmma CTAs with the plain K loop whatever is asked
 // (one kernel family at every M is what the mode promises). Each member is initialized, so a
 // designated initializer names only what it forces.
@@ -134,6 +135,8 @@ struct fp8_settings {
   // The wgmma GEMM2's sums stored by store warps (fp8_plan::staged_down) where it may, with the
   // plain K loop only (unset: never).
   std::optional<bool> staged_down = std::nullopt;
+  // The wgmma GEMMs launched as programmatic dependents (fp8_plan::dependent_gemms; unset: never).
+  std::optional<bool> dependent_gemms = std::nullopt;
 };
 
 struct fp8_plan {
@@ -160,6 +163,14 @@ struct fp8_plan {
   // and three warps of the producer warpgroup store them, 16 bytes a lane (four stages instead
   // of five). Not measured yet (bench/NOTES.md, round 26).
   bool staged_down = false;
+  // wgmma: GEMM2 (and GEMM1 where the input rows are quantized just before it) launched as the
+  // previous kernel's programmatic dependent, only where asked: its CTAs start on the SMs that
+  // kernel's last CTAs leave, load their first item's first weight tiles (which depend on nothing
+  // it writes) and then wait for it. Meant for the last wave of GEMM1 at decode, which leaves
+  // most SMs idle (Qwen3-30B-A3B at 8 tokens: 300 items on 132 SMs). Not measured yet
+  // (bench/NOTES.md, round 27); round 2's dependent wgmma launches, without the early loads,
+  // measured 1-12% slower at decode.
+  bool dependent_gemms = false;
   bool combine_kernel = false;  // a combine kernel sums GEMM2's rows or parts per token afterwards
   bool clear_in_gemm1 = false;  // GEMM1 zeroes the output GEMM2 adds or scatters into
   fp8_workspace workspace;
@@ -177,6 +188,7 @@ struct fp8_plan {
     if (combine_kernel) s += " + combine kernel";
     if (down_a_tma) s += ", GEMM2's A by TMA";
     if (staged_down) s += ", GEMM2 stored by store warps";
+    if (dependent_gemms) s += ", dependent launches";
     s += "; workspace " + std::to_string(workspace.total) + " B (x e4m3 + scales " +
          std::to_string(workspace.x_q_bytes + workspace.x_scale_bytes) + ", act e4m3 + scales " +
          std::to_string(workspace.act_bytes + workspace.act_scale_bytes) +
@@ -265,6 +277,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   p.staged_down = p.down_a_tma && (p.tile == fp8_tile::m64 || p.tile == fp8_tile::m64x2) && !p.hand_out &&
                   p.k_loop == fp8_k_loop::plain && p.down != down_store::partials &&
                   settings.staged_down.value_or(false);
+  p.dependent_gemms = !p.stream && num_tokens > 0 && settings.dependent_gemms.value_or(false);
 
   const auto m = static_cast<std::size_t>(num_tokens);
   const auto r = static_cast<std::size_t>(slots);

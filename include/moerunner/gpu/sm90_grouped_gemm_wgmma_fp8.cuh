@@ -82,6 +82,9 @@ int prepare_wgmma_fp8_gemm(const device_facts& dev) {
 // are handed out at run time (64-row CTAs alone or in pairs with the plain K loop only: the
 // 128-row CTAs' producer, at 40 registers, spilled with the hand-out's state). Staged (GEMM2 on
 // 64-row CTAs alone or in pairs, A by TMA, not into K-split parts): store warps write the sums.
+// `dependent_launch`: a programmatic dependent of the kernel before it, which must not be the
+// kernel that wrote the schedule (the kernel reads the schedule before its wait to load its
+// first weight tiles: kernels::moe_gemm_wgmma_fp8::load_first_weights).
 template <class T, kernels::moe_gemm_kind Kind, int Cluster, int BlockM = fp8_block_m,
           fp8_k_loop Loop = fp8_k_loop::plain, bool Staged = false>
 void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uint8_t* b, int num_experts,

@@ -248,7 +248,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
   }
 
   __device__ static void producer(const moe_gemm_fp8_params<T>& p, const CUtensorMap* a_map, const CUtensorMap* b_map,
-                                  unsigned char* ring, barriers& bars, work_item_ring* item_ring) {
+                                  unsigned char* ring, barriers& bars, work_item_ring* item_ring, int early) {
     const moe_gemm_params<T>& g = p.g;
     const int tid = threadIdx.x;  // 0..127
     if constexpr (Staged) {
@@ -270,9 +270,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
     // j's B scale.
     constexpr int a_scale_copies = (bm + load_threads - 1) / load_threads;
     const int b_scale_box = tid - (load_threads - 32);
-    // GEMM2's A rows (act, in plan order) by one TMA box per stage: the tile's rows and whatever
-    // follows them (never stored: a wgmma row reads only its own A row), zeros past act's end.
-    const bool a_tma = Kind == moe_gemm_kind::down && (Staged || p.a_tma);  // one loading warp: TMA only
+    const bool a_tma = a_by_tma(p);
     ring_slot<stages> slot;
     for (auto w = items.first(); w < items.work; w = items.next_warp(w)) {
       items.ask();
@@ -313,30 +311,17 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
         mbarrier_wait(&bars.empty[stage], slot.phase ^ 1u);
         unsigned char* sa = ring + stage * stage_bytes;
         if (tid == 0) {
-          const int tx_bytes = b_bytes + (a_tma ? a_bytes : 0);
-          cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
-                                               &bars.full[stage], static_cast<std::uint32_t>(tx_bytes));
+          // The first item's first K tiles may have had their bytes expected and B boxes loaded
+          // before the kernel's programmatic wait (load_first_weights).
+          if (early > 0) --early;
+          else {
+            expect_stage(a_tma, &bars.full[stage]);
+            load_b_boxes(g, b_map, sa, &bars.full[stage], kt, n0, tile.expert, me.rank);
+          }
           if (a_tma) {
             const std::int32_t a_coords[4] = {kt * bk, tile.row_begin, 0, 0};
             cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sa, a_map, a_coords,
                                             &bars.full[stage]);
-          }
-          // In a cluster, rank r loads its share of the boxes into every CTA (same offsets, every
-          // full barrier): a pair half of them each; fours one each, or GEMM2's two by ranks 0, 1.
-#pragma unroll
-          for (int b = 0; b < boxes; ++b) {
-            if (Cluster > 1 && (boxes >= Cluster ? b / (boxes / Cluster) : b) != me.rank) continue;
-            int col = 0, half = 0;
-            box_origin(b, n0, col, half);
-            const bool swapped = halves == 2 && g.interleaved;
-            const std::int32_t coords[4] = {kt * bk, swapped ? half : col, swapped ? col : half, tile.expert};
-            unsigned char* dst = sa + a_bytes + b * box_rows * bk;
-            if constexpr (Cluster == 1)
-              cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, b_map, coords,
-                                              &bars.full[stage]);
-            else
-              cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, b_map, coords,
-                                              &bars.full[stage], static_cast<std::uint16_t>((1u << Cluster) - 1));
           }
         }
         const int kcol = kt * bk + ld_chunk * 16;
@@ -369,6 +354,71 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
       }
       items.publish();
     }
+  }
+
+  // GEMM2's A rows (act, in plan order) by one TMA box per stage: the tile's rows and whatever
+  // follows them (never stored: a wgmma row reads only its own A row), zeros past act's end.
+  // With store warps one warp loads: TMA only.
+  __device__ __forceinline__ static bool a_by_tma(const moe_gemm_fp8_params<T>& p) {
+    return Kind == moe_gemm_kind::down && (Staged || p.a_tma);
+  }
+
+  // Thread 0: the TMA bytes a stage's full barrier expects (B, and A where it comes by TMA), with
+  // the thread's own arrival.
+  __device__ __forceinline__ static void expect_stage(bool a_tma, std::uint64_t* full) {
+    cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared, full,
+                                         static_cast<std::uint32_t>(b_bytes + (a_tma ? a_bytes : 0)));
+  }
+
+  // Thread 0: K tile kt's B boxes of the item at output column n0 into stage `sa`. In a cluster,
+  // rank r loads its share of the boxes into every CTA (same offsets, every full barrier): a pair
+  // half of them each; fours one each, or GEMM2's two by ranks 0 and 1.
+  __device__ __forceinline__ static void load_b_boxes(const moe_gemm_params<T>& g, const CUtensorMap* b_map,
+                                                      unsigned char* sa, std::uint64_t* full, int kt, int n0,
+                                                      int expert, int rank) {
+#pragma unroll
+    for (int b = 0; b < boxes; ++b) {
+      if (Cluster > 1 && (boxes >= Cluster ? b / (boxes / Cluster) : b) != rank) continue;
+      int col = 0, half = 0;
+      box_origin(b, n0, col, half);
+      const bool swapped = halves == 2 && g.interleaved;
+      const std::int32_t coords[4] = {kt * bk, swapped ? half : col, swapped ? col : half, expert};
+      unsigned char* dst = sa + a_bytes + b * box_rows * bk;
+      if constexpr (Cluster == 1)
+        cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, b_map, coords, full);
+      else
+        cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, b_map, coords, full,
+                                        static_cast<std::uint16_t>((1u << Cluster) - 1));
+    }
+  }
+
+  // Thread 0, before the kernel's programmatic wait: the expected bytes and B boxes of the first
+  // K tiles (as many as the ring holds) of this CTA's first item, which read only the weights and
+  // the tile schedule. Launched as a programmatic dependent, the kernel's CTAs start on the SMs
+  // that the grid before it leaves as its last CTAs run, and the weight stream starts there
+  // instead of after that grid's end. The schedule's writer has finished by then (the launch
+  // code makes this grid a dependent only of a later kernel: the input's quantization, or GEMM1),
+  // but L1 may hold an earlier run's words: they are read from L2. Expert bands (band words read
+  // by the item order) start after the wait. Returns the K tiles issued.
+  __device__ static int load_first_weights(const moe_gemm_fp8_params<T>& p, const CUtensorMap* b_map,
+                                           unsigned char* ring, barriers& bars) {
+    const moe_gemm_params<T>& g = p.g;
+    if (g.expert_bands) return 0;
+    const cta_place me = cluster_place<Cluster>();
+    const int tiles = __ldcg(g.tile_count);
+    if (me.first >= static_cast<std::int64_t>(tiles) * g.n_tiles * g.k_splits) return 0;
+    const moe_work_item item = decode_work_item(me.first, tiles, g.n_tiles, g.k_splits, g.raster_band);
+    const int expert = __ldcg(reinterpret_cast<const int4*>(g.tiles + item.m_tile)).x;
+    int kt_begin = 0, kt_end = 0;
+    split_k_range(g.k / bk, item.split, g.k_splits, kt_begin, kt_end);
+    const int early = kt_end - kt_begin < stages ? kt_end - kt_begin : stages;
+    // The ring's first stages, fresh (no release to wait for).
+    for (int i = 0; i < early; ++i) {
+      expect_stage(a_by_tma(p), &bars.full[i]);
+      load_b_boxes(g, b_map, ring + i * stage_bytes, &bars.full[i], kt_begin + i, item.n_tile * out_cols, expert,
+                   me.rank);
+    }
+    return early;
   }
 
   // Staged: store warp `warp` (0..store_warps-1) of the CTA walks the items as the consumers do
@@ -843,11 +893,12 @@ __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM, Staged>::threads, 1)
   // The other CTAs of a cluster arrive on these barriers and multicast into this ring: all must be set up.
   if constexpr (Cluster > 1) cluster_sync();
   else __syncthreads();
+  const int early = threadIdx.x == 0 ? tile_t::load_first_weights(p, &b_map, ring, bars) : 0;
   wait_for_prior_grids();
   allow_dependent_grids();
   if (threadIdx.x < tile_t::producer_threads) {
     setmaxnreg_dec<tile_t::producer_regs>();
-    tile_t::producer(p, &a_map, &b_map, ring, bars, &item_ring);
+    tile_t::producer(p, &a_map, &b_map, ring, bars, &item_ring, early);
   } else {
     setmaxnreg_inc<tile_t::consumer_regs>();
     tile_t::consumer(p, ring, bars, amax_exchange, &item_ring);

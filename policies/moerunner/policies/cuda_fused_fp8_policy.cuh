@@ -106,6 +106,7 @@ class cuda_fused_fp8_policy {
   void set_down_rows(std::optional<bool> on) noexcept { settings_.down_rows = on; }
   void set_down_a_tma(std::optional<bool> on) noexcept { settings_.down_a_tma = on; }
   void set_staged_down(std::optional<bool> on) noexcept { settings_.staged_down = on; }
+  void set_dependent_gemms(std::optional<bool> on) noexcept { settings_.dependent_gemms = on; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
@@ -288,23 +289,27 @@ class cuda_fused_fp8_policy {
     } else {
       const std::uint8_t* w13 = q.w13;
       const std::uint8_t* w2 = q.w2;
+      // Dependent launches (where the plan asks) only after a kernel that comes after the plan
+      // kernel: the GEMMs read the schedule before their wait (load_first_weights).
+      const bool gemm1_dependent = pl.dependent_gemms && d.hidden_states.type != dtype::f8_e4m3;
+      const bool gemm2_dependent = pl.dependent_gemms;
       const auto gemms = [&]<int Cluster, int BlockM, gpu::fp8_k_loop Loop>() {
         if (cfg_.is_gated())
-          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up, Cluster, BlockM, Loop>(g1, w13, experts,
-                                                                                              schedule, dev, stream);
+          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up, Cluster, BlockM, Loop>(
+              g1, w13, experts, schedule, dev, stream, gemm1_dependent);
         else
-          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster, BlockM, Loop>(g1, w13, experts,
-                                                                                              schedule, dev, stream);
+          gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster, BlockM, Loop>(
+              g1, w13, experts, schedule, dev, stream, gemm1_dependent);
         // Store warps only where the plan takes them (64-row CTAs alone or in pairs, plain K loop).
         if constexpr (BlockM == gpu::fp8_block_m && Cluster <= 2 && Loop == gpu::fp8_k_loop::plain) {
           if (pl.staged_down) {
-            gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, Loop, true>(g2, w2, experts,
-                                                                                                 schedule, dev, stream);
+            gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, Loop, true>(
+                g2, w2, experts, schedule, dev, stream, gemm2_dependent);
             return;
           }
         }
-        gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, Loop>(g2, w2, experts, schedule,
-                                                                                        dev, stream);
+        gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, Loop>(g2, w2, experts, schedule, dev,
+                                                                                        stream, gemm2_dependent);
       };
       // 64-row CTAs alone or in pairs, with the plan's K loop; in fours and 128-row CTAs with the
       // plain one.
@@ -326,7 +331,7 @@ class cuda_fused_fp8_policy {
         default: m64.template operator()<1>();
       }
     }
-    gpu::combine_down(g2.g, plan, row_weights, scale, out, stream, dependent);
+    gpu::combine_down(g2.g, plan, row_weights, scale, out, stream, dependent || pl.dependent_gemms);
   }
 
   // Decode: GEMM1 on the stream GEMMs into f32 act, act quantized per row and 128 columns by the
