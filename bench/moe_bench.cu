@@ -37,8 +37,9 @@
 // cuda_fused_fp8_rows and cuda_fused_fp8_reduce (GEMM2's rows for the combine kernel, or its
 // reductions into the output, forced wherever the run may take either); cuda_fused_down_cp_async and
 // cuda_fused_fp8_down_cp_async (the wgmma GEMM2's A rows by the producer's cp.async, not by TMA),
-// cuda_fused_fp8_staged (the wgmma GEMM2's sums stored by store warps where it may, with the plain
-// K loop, which they take: against cuda_fused_fp8_plain), cuda_fused_fp8_dependent (the wgmma
+// cuda_fused_fp8_staged (the wgmma GEMM2's sums stored by store warps wherever it may, and GEMM1's
+// plain K loop: against cuda_fused_fp8_plain), cuda_fused_fp8_direct (GEMM2's consumers store
+// their own sums where the plan takes store warps), cuda_fused_fp8_dependent (the wgmma
 // GEMMs launched as programmatic dependents, loading their first weight tiles before their wait).
 // With the wgmma GEMMs' work items handed out at run time (set_hand_out): cuda_fused_handed_out,
 // cuda_fused_m128x2_handed_out, cuda_fused_fp8_handed_out, cuda_fused_fp8_single_handed_out and
@@ -239,6 +240,8 @@ constexpr backend_variant backend_variants[] = {
      .deterministic = false, .by_default = false, .down_a_tma = false},
     {.label = "cuda_fused_fp8_staged", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .fp8_k_loop = mr::gpu::fp8_k_loop::plain, .fp8_staged_down = true},
+    {.label = "cuda_fused_fp8_direct", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .fp8_staged_down = false},
     {.label = "cuda_fused_fp8_dependent", .backend = "cuda_fused_fp8",
      .tuning = mr::gpu::gemm_tuning_choice::automatic, .deterministic = false, .by_default = false,
      .fp8_dependent = true},

@@ -650,35 +650,53 @@ TEST_CASE("fp8 plan: GEMM2's A rows by TMA on the wgmma GEMMs") {
         g::make_fp8_plan(MoeRunnerConfig(deepseek()), 4096, h200, {.down_a_tma = false}).workspace.total);
 }
 
-TEST_CASE("fp8 plan: GEMM2's store warps only where asked, with the plain K loop") {
+TEST_CASE("fp8 plan: GEMM2's store warps where its K loop is short, with any K loop of GEMM1") {
   const auto plan = [](const moe_config_params& c, std::int64_t m, g::fp8_settings s) {
     return g::make_fp8_plan(MoeRunnerConfig(c), m, h200, s);
   };
-  const g::fp8_settings plain_staged{.k_loop = g::fp8_k_loop::plain, .staged_down = true};
-  for (const moe_config_params& c : {mixtral(), deepseek(), qwen3()})
+  // Where the tile, the store and the item order allow them.
+  const auto may = [](const g::fp8_plan& p) {
+    return !p.stream && p.num_tokens > 0 && p.down_a_tma && !p.hand_out &&
+           (p.tile == g::fp8_tile::m64 || p.tile == g::fp8_tile::m64x2) && p.down != g::down_store::partials;
+  };
+  moe_config_params i3072 = qwen3(), i4224 = qwen3();
+  i3072.intermediate_size = 3072;  // 24 K tiles: taken
+  i4224.intermediate_size = 4224;  // 33 K tiles: not
+  for (const moe_config_params& c : {mixtral(), deepseek(), qwen3(), i3072, i4224})
     for (const std::int64_t m : {0, 1, 8, 64, 512, 4096, 16384}) {
+      CAPTURE(c.intermediate_size);
       CAPTURE(m);
-      CHECK_FALSE(fp8_plan_of(c, m).staged_down);  // never by default
-      const g::fp8_plan p = plan(c, m, plain_staged);
-      const bool may = !p.stream && m > 0 && (p.tile == g::fp8_tile::m64 || p.tile == g::fp8_tile::m64x2) &&
-                       p.down != g::down_store::partials;
-      CHECK(p.staged_down == may);
+      const bool short_k = c.intermediate_size <= g::fp8_staged_max_k_tiles * g::fp8_block_k;
+      const g::fp8_plan p = fp8_plan_of(c, m);
+      CHECK(p.staged_down == (may(p) && short_k));  // by default: the rule
       CHECK((p.describe().find("GEMM2 stored by store warps") != std::string::npos) == p.staged_down);
-      CHECK(p.workspace.total == plan(c, m, {.k_loop = g::fp8_k_loop::plain}).workspace.total);
-      // Not with the overlapped or staggered loops, 128-row CTAs, the copies or handed-out items.
-      CHECK_FALSE(plan(c, m, {.k_loop = g::fp8_k_loop::overlap, .staged_down = true}).staged_down);
-      CHECK_FALSE(plan(c, m, {.k_loop = g::fp8_k_loop::stagger, .staged_down = true}).staged_down);
-      CHECK_FALSE(plan(c, m, {.pairs = false, .tall = true, .k_loop = g::fp8_k_loop::plain, .staged_down = true})
-                      .staged_down);
-      CHECK_FALSE(
-          plan(c, m, {.k_loop = g::fp8_k_loop::plain, .down_a_tma = false, .staged_down = true}).staged_down);
+      // GEMM1 keeps its loop (the overlap by default); the store warps' GEMM2 runs the plain one.
+      CHECK(p.k_loop == plan(c, m, {.staged_down = false}).k_loop);
+      CHECK(p.workspace.total == plan(c, m, {.staged_down = false}).workspace.total);
+      // Forced either way where they may run, with every K loop of GEMM1.
+      for (const auto loop : {g::fp8_k_loop::plain, g::fp8_k_loop::overlap, g::fp8_k_loop::stagger}) {
+        const g::fp8_plan on = plan(c, m, {.k_loop = loop, .staged_down = true});
+        CHECK(on.staged_down == may(on));
+        CHECK_FALSE(plan(c, m, {.k_loop = loop, .staged_down = false}).staged_down);
+      }
+      // Not on 128-row CTAs, with GEMM2's A copied, or with handed-out items.
+      CHECK_FALSE(plan(c, m, {.pairs = false, .tall = true, .staged_down = true}).staged_down);
+      CHECK_FALSE(plan(c, m, {.down_a_tma = false, .staged_down = true}).staged_down);
+      CHECK_FALSE(plan(c, m, {.hand_out = true, .staged_down = true}).staged_down);
     }
-  // K split into f32 parts (deterministic decode) keeps the direct epilogue.
+  // K split into f32 parts (deterministic decode) keeps the direct epilogue; batch-invariant runs
+  // keep it unless asked.
   moe_config_params det = mixtral();
   det.deterministic = true;
-  const g::fp8_plan parts = plan(det, 64, plain_staged);
+  const g::fp8_plan parts = plan(det, 64, {.staged_down = true});
   CHECK(parts.down == g::down_store::partials);
   CHECK_FALSE(parts.staged_down);
+  moe_config_params inv = qwen3();
+  inv.batch_invariant = true;
+  for (const std::int64_t m : {1, 64, 4096}) {
+    CHECK_FALSE(fp8_plan_of(inv, m).staged_down);
+    CHECK(plan(inv, m, {.staged_down = true}).staged_down == may(plan(inv, m, {.staged_down = true})));
+  }
 }
 
 TEST_CASE("fp8 plan: dependent wgmma launches only where asked, nothing else changed") {

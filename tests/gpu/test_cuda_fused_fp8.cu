@@ -14,6 +14,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu_test_util.hpp"
@@ -242,9 +243,15 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
     CHECK(d.find(*forced.down_rows ? (split ? "GEMM2 partials" : "GEMM2 rows") : "GEMM2 accumulate") !=
           std::string::npos);
   }
-  if (forced.staged_down.value_or(false) && forced.k_loop == mr::gpu::fp8_k_loop::plain &&
-      !forced.stream.value_or(false) && s.m > 0 && !o.deterministic && !forced.tall.value_or(false))
-    CHECK(g.runner.describe(s.m).find("GEMM2 stored by store warps") != std::string::npos);
+  // GEMM2's store warps where forced and allowed (not into K-split parts, as deterministic runs
+  // at these sizes may store), never where forced off.
+  if (forced.staged_down && !forced.stream.value_or(false) && s.m > 0) {
+    const bool staged = g.runner.describe(s.m).find("GEMM2 stored by store warps") != std::string::npos;
+    if (!*forced.staged_down) CHECK_FALSE(staged);
+    else if (!o.deterministic && !forced.tall.value_or(false) && !forced.quads.value_or(false) &&
+             !forced.hand_out.value_or(false) && forced.down_a_tma.value_or(true))
+      CHECK(staged);
+  }
   if (forced.dependent_gemms && !forced.stream.value_or(false) && s.m > 0)
     CHECK((g.runner.describe(s.m).find("dependent launches") != std::string::npos) == *forced.dependent_gemms);
   if (forced.down_a_tma && !forced.stream.value_or(false) && s.m > 0)
@@ -414,14 +421,19 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     }
   }
   SUBCASE("GEMM2's sums stored by store warps") {
-    // Forced (the plan takes them only when asked, with the plain K loop) on single CTAs and
-    // pairs: rows, reductions (with K splits), slots; skewed and one-expert tiles (CTAs of a pair
-    // without rows), N not a multiple of the 256-column tile, the router weight on either side,
-    // in place, and 0 and 1 tokens.
-    for (const bool paired : {false, true}) {
+    // Forced (the plan takes them where GEMM2's K loop is short) on single CTAs and pairs, after
+    // GEMM1 with either K loop (GEMM2's is the plain one): rows, reductions (with K splits),
+    // slots; skewed and one-expert tiles (CTAs of a pair without rows), N not a multiple of the
+    // 256-column tile, the router weight on either side, in place, and 0 and 1 tokens.
+    for (const auto& way : {std::pair{false, mr::gpu::fp8_k_loop::plain}, std::pair{true, mr::gpu::fp8_k_loop::plain},
+                            std::pair{false, mr::gpu::fp8_k_loop::overlap},
+                            std::pair{true, mr::gpu::fp8_k_loop::overlap}}) {
+      const bool paired = way.first;
+      const mr::gpu::fp8_k_loop loop = way.second;
       CAPTURE(paired);
+      CAPTURE(static_cast<int>(loop));
       const auto run = [&](const shape& c, const options& o, mr::gpu::fp8_settings f = {}) {
-        f.stream = false, f.pairs = paired, f.k_loop = mr::gpu::fp8_k_loop::plain, f.staged_down = true;
+        f.stream = false, f.pairs = paired, f.k_loop = loop, f.staged_down = f.staged_down.value_or(true);
         worst = std::max(worst, check_case(c, bf16, o, rng, false, mr::fp8_weight_scaling::block128, f));
       };
       run({97, 8, 2, 256, 256}, {});
@@ -435,6 +447,10 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       run({300, 8, 2, 256, 256}, {.inplace = true});
       run({1, 8, 2, 256, 256}, {});
       run({0, 8, 2, 256, 256}, {});
+      // Forced off where the plan would take them: the consumers' own epilogue, each store.
+      run({300, 8, 2, 256, 256}, {}, {.down_rows = true, .staged_down = false});
+      run({300, 8, 2, 256, 768}, {}, {.down_k_splits = 3, .down_rows = false, .staged_down = false});
+      run({300, 8, 2, 256, 256}, {.ids = ids_kind::random_filtered, .no_combine = true}, {.staged_down = false});
     }
   }
   SUBCASE("the wgmma GEMMs launched as programmatic dependents") {

@@ -78,6 +78,16 @@ inline constexpr const char* fp8_k_loop_name(fp8_k_loop l) {
 // 14336) 3% faster and 1% slower. It costs M*k*H*2 workspace bytes, as the engines' Triton
 // path allocates for its own sum.
 inline constexpr int fp8_rows_store_max_intermediate = 2 * plan_detail::rows_store_max_intermediate;
+// GEMM2 with store warps (fp8_plan::staged_down) where its K loop has at most 32 K tiles (I <=
+// 4096), else the consumers' own epilogue. The store warps take an item's epilogue off the
+// consumers' path (GEMM2 on an H100, ncu, one run each: Qwen3-30B-A3B 4096 tokens 182 µs against
+// 220 with the overlapped loop, 6 K tiles; DeepSeek-V3 4096 1.66 ms against 1.83, 16 K tiles),
+// but run the plain K loop, which measured 4-9% slower than the overlapped one at prefill
+// (round 24): at Mixtral-8x7B (I = 14336, 112 K tiles) the layer with them (and GEMM1's plain
+// loop) was 1-3% slower in three of four prefill cells of two runs, 2% faster in the fourth. An
+// epilogue costs about two to three K tiles' time, 5% of a K loop of 40-60: 32 keeps to the side
+// that measured faster. bench/NOTES.md, round 27.
+inline constexpr int fp8_staged_max_k_tiles = 32;
 // The wgmma GEMM2 loads its A rows (act, which GEMM1 wrote in plan order) by one TMA box per
 // stage, as it loads the weights, instead of by the producer warpgroup's 16-byte cp.async (512 a
 // stage; the producer was busy for ~1000 of a K tile's ~1270 cycles, bench/NOTES.md round 21).
@@ -132,8 +142,8 @@ struct fp8_settings {
   std::optional<bool> down_rows = std::nullopt;
   // The wgmma GEMM2's A rows by TMA (true) or by the producer's cp.async (false); unset: TMA.
   std::optional<bool> down_a_tma = std::nullopt;
-  // The wgmma GEMM2's sums stored by store warps (fp8_plan::staged_down) where it may, with the
-  // plain K loop only (unset: never).
+  // The wgmma GEMM2's sums stored by store warps (fp8_plan::staged_down) where it may (unset:
+  // fp8_staged_max_k_tiles' rule).
   std::optional<bool> staged_down = std::nullopt;
   // The wgmma GEMMs launched as programmatic dependents (fp8_plan::dependent_gemms; unset: never).
   std::optional<bool> dependent_gemms = std::nullopt;
@@ -157,11 +167,12 @@ struct fp8_plan {
   int down_k_splits = 1;
   down_store down = down_store::accumulate;
   bool down_a_tma = false;      // wgmma: GEMM2's A rows by TMA
-  // wgmma GEMM2 on 64-row CTAs alone or in pairs (A by TMA, fixed turns, the plain K loop: with
-  // the overlapped one the consumers spilled; not into K-split parts), only where asked: its
-  // consumers leave each item's sums in a shared-memory staging tile and go on to the next item,
-  // and three warps of the producer warpgroup store them, 16 bytes a lane (four stages instead
-  // of five). Not measured yet (bench/NOTES.md, round 26).
+  // wgmma GEMM2 on 64-row CTAs alone or in pairs (A by TMA, fixed turns, not into K-split parts)
+  // with store warps and the plain K loop, whatever GEMM1's loop (with the overlapped one the
+  // consumers spilled): its consumers leave each item's sums in a shared-memory staging tile and
+  // go on to the next item, and three warps of the producer warpgroup store them, 16 bytes a lane
+  // (four stages instead of five). The plan takes them where GEMM2's K loop is short
+  // (fp8_staged_max_k_tiles).
   bool staged_down = false;
   // wgmma: GEMM2 (and GEMM1 where the input rows are quantized just before it) launched as the
   // previous kernel's programmatic dependent, only where asked: its CTAs start on the SMs that
@@ -187,7 +198,7 @@ struct fp8_plan {
     if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
     if (combine_kernel) s += " + combine kernel";
     if (down_a_tma) s += ", GEMM2's A by TMA";
-    if (staged_down) s += ", GEMM2 stored by store warps";
+    if (staged_down) s += ", GEMM2 stored by store warps (plain K loop)";
     if (dependent_gemms) s += ", dependent launches";
     s += "; workspace " + std::to_string(workspace.total) + " B (x e4m3 + scales " +
          std::to_string(workspace.x_q_bytes + workspace.x_scale_bytes) + ", act e4m3 + scales " +
@@ -275,8 +286,9 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   p.expert_bands = !p.stream && num_tokens > 0 && settings.expert_bands.value_or(false);
   p.down_a_tma = !p.stream && num_tokens > 0 && settings.down_a_tma.value_or(true);
   p.staged_down = p.down_a_tma && (p.tile == fp8_tile::m64 || p.tile == fp8_tile::m64x2) && !p.hand_out &&
-                  p.k_loop == fp8_k_loop::plain && p.down != down_store::partials &&
-                  settings.staged_down.value_or(false);
+                  p.down != down_store::partials &&
+                  settings.staged_down.value_or(!cfg.batch_invariant() &&
+                                               cfg.intermediate_size() <= fp8_staged_max_k_tiles * fp8_block_k);
   p.dependent_gemms = !p.stream && num_tokens > 0 && settings.dependent_gemms.value_or(false);
 
   const auto m = static_cast<std::size_t>(num_tokens);

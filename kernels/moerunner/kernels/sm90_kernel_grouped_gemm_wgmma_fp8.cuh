@@ -52,8 +52,8 @@
 // build with MOERUNNER_RELEASE_ALL_LANES, meson setup -Dcuda_args=-DMOERUNNER_RELEASE_ALL_LANES,
 // has every consumer lane release the stage, to tell which of the two racecheck does not follow.)
 //
-// Store warps (Staged, GEMM2 on 64-row CTAs alone or in pairs, plain K loop, A by TMA; only where
-// asked): warp 0 of the producer warpgroup alone loads the stages (A and B boxes, the scales two
+// Store warps (Staged, GEMM2 on 64-row CTAs alone or in pairs, plain K loop, A by TMA; where
+// GEMM2's K loop is short, gpu::fp8_staged_max_k_tiles): warp 0 of the producer warpgroup alone loads the stages (A and B boxes, the scales two
 // a lane), and warps 1-3 store GEMM2's sums. The consumers write each item's sums (times the
 // row's factor, packed as the direct epilogue packs them) into a staging tile after the ring,
 // arrive on staged_full and start the next item; the store warps, walking the same items, copy

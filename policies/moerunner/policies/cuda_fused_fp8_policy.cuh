@@ -300,10 +300,11 @@ class cuda_fused_fp8_policy {
         else
           gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster, BlockM, Loop>(
               g1, w13, experts, schedule, dev, stream, gemm1_dependent);
-        // Store warps only where the plan takes them (64-row CTAs alone or in pairs, plain K loop).
-        if constexpr (BlockM == gpu::fp8_block_m && Cluster <= 2 && Loop == gpu::fp8_k_loop::plain) {
+        // Store warps where the plan takes them (64-row CTAs alone or in pairs), with the plain
+        // K loop whatever GEMM1's.
+        if constexpr (BlockM == gpu::fp8_block_m && Cluster <= 2) {
           if (pl.staged_down) {
-            gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, Loop, true>(
+            gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, gpu::fp8_k_loop::plain, true>(
                 g2, w2, experts, schedule, dev, stream, gemm2_dependent);
             return;
           }
