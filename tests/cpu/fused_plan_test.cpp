@@ -717,6 +717,49 @@ TEST_CASE("fp8 plan: dependent wgmma launches only where asked, nothing else cha
     }
 }
 
+TEST_CASE("fp8 plan: GEMM1's K splits only where asked, on single 64-row CTAs, with their parts") {
+  const auto plan = [](const moe_config_params& c, std::int64_t m, g::fp8_settings s) {
+    return g::make_fp8_plan(MoeRunnerConfig(c), m, h200, s);
+  };
+  moe_config_params ungated = qwen3();
+  ungated.act.kind = moerunner::activation_kind::gelu;
+  ungated.is_gated = false;
+  for (const moe_config_params& c : {mixtral(), deepseek(), qwen3(), ungated})
+    for (const std::int64_t m : {0, 1, 8, 64, 512, 4096}) {
+      CAPTURE(m);
+      const g::fp8_plan base = fp8_plan_of(c, m);
+      CHECK(base.up_k_splits == 1);  // never by default
+      CHECK(base.workspace.up_parts_bytes == 0);
+      for (const int splits : {2, 3}) {
+        const g::fp8_plan p = plan(c, m, {.pairs = false, .up_k_splits = splits});
+        const bool may = !p.stream && m > 0 && p.tile == g::fp8_tile::m64;
+        CHECK(p.up_k_splits == (may ? splits : 1));
+        CHECK((p.describe().find("GEMM1 in " + std::to_string(splits) + " K splits") != std::string::npos) == may);
+        const std::size_t parts = static_cast<std::size_t>(splits) * m * c.top_k * (c.is_gated ? 2 : 1) *
+                                  c.intermediate_size * 4;
+        CHECK(p.workspace.up_parts_bytes == (may ? g::plan_piece_bytes(parts) : 0));
+        CHECK(p.workspace.total == plan(c, m, {.pairs = false}).workspace.total + p.workspace.up_parts_bytes);
+        CHECK(p.workspace.up_parts % g::plan_piece_alignment == 0);
+        CHECK(p.workspace.up_parts + p.workspace.up_parts_bytes + g::plan_piece_alignment == p.workspace.total);
+      }
+      // Not with pairs, 128-row CTAs or handed-out items; at most GEMM1's K tiles.
+      if (m >= 512) {
+        CHECK(plan(c, m, {.pairs = true, .up_k_splits = 2}).up_k_splits == 1);
+        CHECK(plan(c, m, {.pairs = false, .tall = true, .up_k_splits = 2}).up_k_splits == 1);
+        CHECK(plan(c, m, {.pairs = false, .k_loop = g::fp8_k_loop::plain, .hand_out = true, .up_k_splits = 2})
+                  .up_k_splits == (plan(c, m, {.pairs = false, .k_loop = g::fp8_k_loop::plain, .hand_out = true})
+                                           .hand_out
+                                       ? 1
+                                       : 2));
+        CHECK(plan(c, m, {.pairs = false, .up_k_splits = 1000}).up_k_splits == c.hidden_size / g::fp8_block_k);
+      }
+    }
+  moe_config_params inv = qwen3();
+  inv.batch_invariant = true;
+  CHECK(plan(inv, 64, {.up_k_splits = 2}).up_k_splits == 1);
+  CHECK_THROWS_AS(plan(qwen3(), 64, {.up_k_splits = 0}), moerunner::invalid_argument_error);
+}
+
 TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
   moe_config_params det = mixtral();
   det.deterministic = true;

@@ -152,6 +152,7 @@ struct fp8_on_device {
         core.set_down_a_tma(forced.down_a_tma);
         core.set_staged_down(forced.staged_down);
         core.set_dependent_gemms(forced.dependent_gemms);
+        core.set_up_k_splits(forced.up_k_splits);
       }
     });
     if (p.prequantized) {
@@ -252,6 +253,11 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
              !forced.hand_out.value_or(false) && forced.down_a_tma.value_or(true))
       CHECK(staged);
   }
+  // GEMM1's K splits where forced on single 64-row CTAs (at most its K tiles).
+  if (forced.up_k_splits.value_or(1) > 1 && !forced.stream.value_or(false) && s.m > 0 &&
+      !forced.pairs.value_or(true) && !forced.tall.value_or(false) && !forced.hand_out.value_or(false))
+    CHECK(g.runner.describe(s.m).find("GEMM1 in " + std::to_string(std::min(*forced.up_k_splits, s.h / 128)) +
+                                      " K splits") != std::string::npos);
   if (forced.dependent_gemms && !forced.stream.value_or(false) && s.m > 0)
     CHECK((g.runner.describe(s.m).find("dependent launches") != std::string::npos) == *forced.dependent_gemms);
   if (forced.down_a_tma && !forced.stream.value_or(false) && s.m > 0)
@@ -477,6 +483,37 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     run({300, 8, 2, 256, 256}, {.ids = ids_kind::random_filtered, .no_combine = true}, {.pairs = false});
     run({1, 8, 2, 256, 256}, {}, {.pairs = false});
     run({0, 8, 2, 256, 256}, {}, {.pairs = false});
+  }
+  SUBCASE("GEMM1 in K splits, finished by the parts kernel") {
+    // Forced (the plan splits GEMM1 only when asked) on single 64-row CTAs after either K loop:
+    // gated and not, each activation, interleaved gate/up rows, the router weight on the input,
+    // per-channel and per-tensor scales, in place, e4m3 input, more splits than K tiles
+    // (clamped), deterministic, ~50 experts at 64 tokens, 0 and 1 token.
+    const auto run = [&](const shape& c, const options& o, mr::gpu::fp8_settings f, bool prequantized = false,
+                         mr::fp8_weight_scaling scaling = mr::fp8_weight_scaling::block128) {
+      f.stream = false, f.pairs = false;
+      worst = std::max(worst, check_case(c, bf16, o, rng, prequantized, scaling, f));
+    };
+    for (const auto loop : {mr::gpu::fp8_k_loop::plain, mr::gpu::fp8_k_loop::overlap})
+      for (const int splits : {2, 3}) {
+        CAPTURE(static_cast<int>(loop));
+        CAPTURE(splits);
+        run({97, 8, 2, 512, 256}, {}, {.k_loop = loop, .up_k_splits = splits});
+        run({64, 128, 8, 512, 256}, {}, {.k_loop = loop, .up_k_splits = splits});
+      }
+    run({97, 8, 2, 512, 384}, {.act = mr::activation_kind::gelu, .gated = false}, {.up_k_splits = 2});
+    run({97, 8, 2, 512, 256}, {.act = mr::activation_kind::swiglu_clamped}, {.up_k_splits = 2});
+    run({97, 8, 2, 512, 256}, {.interleaved = true}, {.up_k_splits = 2});
+    run({97, 8, 1, 512, 256}, {.weight_on_input = true}, {.up_k_splits = 3});
+    run({97, 8, 2, 512, 256}, {}, {.up_k_splits = 2}, false, mr::fp8_weight_scaling::per_channel);
+    run({97, 8, 2, 512, 256}, {}, {.up_k_splits = 2}, false, mr::fp8_weight_scaling::per_tensor);
+    run({97, 8, 2, 512, 256}, {.inplace = true}, {.up_k_splits = 2});
+    run({97, 8, 2, 512, 256}, {}, {.up_k_splits = 2}, true);
+    run({97, 8, 2, 256, 256}, {}, {.up_k_splits = 5});  // H = 256: 2 K tiles
+    run({97, 8, 2, 512, 256}, {.deterministic = true}, {.up_k_splits = 2});
+    run({97, 8, 2, 512, 256}, {.ids = ids_kind::random_filtered, .no_combine = true}, {.up_k_splits = 2});
+    run({1, 8, 2, 512, 256}, {}, {.up_k_splits = 2});
+    run({0, 8, 2, 512, 256}, {}, {.up_k_splits = 2});
   }
   SUBCASE("128-row CTAs") {
     // Forced on (the plan takes them only when asked) at 12-150 rows per expert, where experts'

@@ -110,13 +110,14 @@ struct fp8_workspace {
   std::size_t act_scale = 0, act_scale_bytes = 0;  // [M*k, I / 128]
   std::size_t rows = 0, rows_bytes = 0;        // GEMM2's rows (16-bit) or f32 K-split parts
   std::size_t act_f32 = 0, act_f32_bytes = 0;  // stream GEMM1's f32 act [M*k, I], before quantization
+  std::size_t up_parts = 0, up_parts_bytes = 0;  // wgmma GEMM1 in K splits: f32 parts [splits, M*k, 2I or I]
   std::size_t total = 0;
 };
 
 // Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
 // set_stream_gemms, set_pairs, set_quads, set_tall, set_k_loop, set_raster_band,
-// set_down_k_splits, set_down_rows, set_down_a_tma, set_staged_down and set_dependent_gemms);
-// unset, the plan's rules decide.
+// set_down_k_splits, set_down_rows, set_down_a_tma, set_staged_down, set_dependent_gemms and
+// set_up_k_splits); unset, the plan's rules decide.
 // Batch-invariant runs keep single 64-row wgmma CTAs with the plain K loop whatever is asked
 // (one kernel family at every M is what the mode promises). Each member is initialized, so a
 // designated initializer names only what it forces.
@@ -147,6 +148,9 @@ struct fp8_settings {
   std::optional<bool> staged_down = std::nullopt;
   // The wgmma GEMMs launched as programmatic dependents (fp8_plan::dependent_gemms; unset: never).
   std::optional<bool> dependent_gemms = std::nullopt;
+  // The wgmma GEMM1's K splits (fp8_plan::up_k_splits; >= 1, at most its K tiles) where it may
+  // split (64-row CTAs alone in fixed turns, not batch-invariant runs); unset: 1.
+  std::optional<int> up_k_splits = std::nullopt;
 };
 
 struct fp8_plan {
@@ -182,6 +186,13 @@ struct fp8_plan {
   // (bench/NOTES.md, round 27); round 2's dependent wgmma launches, without the early loads,
   // measured 1-12% slower at decode.
   bool dependent_gemms = false;
+  // wgmma GEMM1 on 64-row CTAs alone in fixed turns, only where asked: each item's K tiles in
+  // up_k_splits ranges, each range's f32 gate and up sums written as parts, and a kernel after it
+  // that sums an item's parts in split order and applies the activation and act's quantization
+  // (GEMM1's epilogue, moved). Meant for decode, where GEMM1's items fill few waves (Qwen3-30B-A3B
+  // at 8 tokens: 300 items of 16 K tiles on 132 CTAs, the last wave 36 CTAs). Not measured yet
+  // (bench/NOTES.md, round 27).
+  int up_k_splits = 1;
   bool combine_kernel = false;  // a combine kernel sums GEMM2's rows or parts per token afterwards
   bool clear_in_gemm1 = false;  // GEMM1 zeroes the output GEMM2 adds or scatters into
   fp8_workspace workspace;
@@ -197,13 +208,15 @@ struct fp8_plan {
                     (schedule_in_gemms ? ", built in the GEMMs" : "") + "), GEMM2 " + std::string(down_store_name(down));
     if (down_k_splits > 1) s += " in " + std::to_string(down_k_splits) + " K splits";
     if (combine_kernel) s += " + combine kernel";
+    if (up_k_splits > 1) s += ", GEMM1 in " + std::to_string(up_k_splits) + " K splits + activation kernel";
     if (down_a_tma) s += ", GEMM2's A by TMA";
     if (staged_down) s += ", GEMM2 stored by store warps (plain K loop)";
     if (dependent_gemms) s += ", dependent launches";
     s += "; workspace " + std::to_string(workspace.total) + " B (x e4m3 + scales " +
          std::to_string(workspace.x_q_bytes + workspace.x_scale_bytes) + ", act e4m3 + scales " +
          std::to_string(workspace.act_bytes + workspace.act_scale_bytes) +
-         (stream ? ", f32 act " + std::to_string(workspace.act_f32_bytes) : std::string()) + ", rows " +
+         (stream ? ", f32 act " + std::to_string(workspace.act_f32_bytes) : std::string()) +
+         (up_k_splits > 1 ? ", GEMM1's parts " + std::to_string(workspace.up_parts_bytes) : std::string()) + ", rows " +
          std::to_string(workspace.rows_bytes) + ", plan + schedule " +
          std::to_string(workspace.plan_bytes + workspace.schedule_bytes) + ")";
     return s;
@@ -283,6 +296,11 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
                hand_out_offsets_fit(moe_m_tile_capacity(slots, e, p.schedule_block_m) * p.schedule_block_m,
                                     std::max(cfg.hidden_size(), cfg.intermediate_size()));
 
+  if (settings.up_k_splits && *settings.up_k_splits < 1)
+    throw invalid_argument_error("make_fp8_plan: up_k_splits must be positive, got " +
+                                 std::to_string(*settings.up_k_splits));
+  if (!p.stream && p.tile == fp8_tile::m64 && !p.hand_out && !cfg.batch_invariant() && num_tokens > 0)
+    p.up_k_splits = std::min(settings.up_k_splits.value_or(1), (cfg.hidden_size() + fp8_block_k - 1) / fp8_block_k);
   p.expert_bands = !p.stream && num_tokens > 0 && settings.expert_bands.value_or(false);
   p.down_a_tma = !p.stream && num_tokens > 0 && settings.down_a_tma.value_or(true);
   p.staged_down = p.down_a_tma && (p.tile == fp8_tile::m64 || p.tile == fp8_tile::m64x2) && !p.hand_out &&
@@ -312,7 +330,10 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   else if (p.down == down_store::partials) w.rows_bytes = plan_piece_bytes(static_cast<std::size_t>(p.down_k_splits) * r * h * 4);
   w.act_f32 = w.rows + w.rows_bytes;
   if (p.stream) w.act_f32_bytes = plan_piece_bytes(r * inter * 4);
-  w.total = w.act_f32 + w.act_f32_bytes + plan_piece_alignment;
+  w.up_parts = w.act_f32 + w.act_f32_bytes;
+  if (p.up_k_splits > 1)
+    w.up_parts_bytes = plan_piece_bytes(static_cast<std::size_t>(p.up_k_splits) * r * (cfg.is_gated() ? 2 : 1) * inter * 4);
+  w.total = w.up_parts + w.up_parts_bytes + plan_piece_alignment;
   return p;
 }
 

@@ -22,6 +22,7 @@
 #include "moerunner/gpu/grouped_gemm.cuh"
 #include "moerunner/gpu/pdl_launch.cuh"
 #include "moerunner/gpu/sm90_grouped_gemm_wgmma.cuh"
+#include "moerunner/kernels/kernel_fp8_up_parts.cuh"
 #include "moerunner/kernels/kernel_quantize_fp8.cuh"
 #include "moerunner/kernels/sm90_kernel_grouped_gemm_wgmma_fp8.cuh"
 
@@ -41,6 +42,34 @@ void quantize_rows_fp8(const T* x, std::int64_t rows, int h, std::uint8_t* q, fl
   launch_dependent(kernels::quantize_rows_fp8_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(32 * warps), 0,
                    stream, dependent, x, groups, h, q, scales);
   MOE_CUDA_CHECK_LAUNCH("quantize_rows_fp8_kernel");
+}
+
+// The rest of GEMM1's epilogue where it ran in K splits into g1.up_parts
+// (gpu::fp8_plan::up_k_splits): kernels::finish_up_parts_kernel over the schedule GEMM1 ran, as
+// its programmatic dependent, writing g1.act and g1.act_scale.
+template <class T>
+void finish_up_parts_fp8(const kernels::moe_gemm_fp8_params<T>& g1, bool gated, const tile_schedule& schedule,
+                         cudaStream_t stream) {
+  MOE_EXPECT(g1.up_parts != nullptr && g1.g.k_splits > 1 && g1.g.n % kernels::fp8_group == 0,
+             "gpu::finish_up_parts_fp8", "GEMM1's parts, split count or n are not set");
+  if (schedule.capacity == 0) return;
+  MOE_EXPECT(schedule.capacity <= 0x7fffffff, "gpu::finish_up_parts_fp8", "too many tiles");
+  kernels::up_parts_args a;
+  a.parts = g1.up_parts;
+  a.split_stride = g1.up_parts_stride;
+  a.splits = g1.g.k_splits;
+  a.n = g1.g.n;
+  a.gated = gated;
+  a.act = g1.g.act;
+  a.input_weights = g1.g.input_weights;
+  a.row_to_slot = g1.g.row_to_slot;
+  a.tiles = schedule.tiles;
+  a.tile_count = schedule.count;
+  a.act_q = g1.act;
+  a.act_scale = g1.act_scale;
+  launch_dependent(kernels::finish_up_parts_kernel, dim3(static_cast<unsigned>(schedule.capacity)),
+                   dim3(kernels::up_parts_threads), 0, stream, true, a);
+  MOE_CUDA_CHECK_LAUNCH("finish_up_parts_kernel");
 }
 
 // Sets the kernel's dynamic shared memory limit once per device, checks that a CTA (a cluster of
@@ -124,10 +153,14 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
                       : prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop, false>(dev);
   else places = prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop, false>(dev);
   const std::int64_t n_tiles = (g.n + tile_t::out_cols - 1) / tile_t::out_cols;
-  const bool may_split = Kind == kernels::moe_gemm_kind::down && (g.store == kernels::down_store::accumulate ||
-                                                                   g.store == kernels::down_store::partials);
+  // GEMM2 splits K into the output or f32 parts; GEMM1 into f32 parts on 64-row CTAs alone
+  // (finish_up_parts_fp8 completes it).
+  const bool may_split = Kind == kernels::moe_gemm_kind::down
+                             ? g.store == kernels::down_store::accumulate || g.store == kernels::down_store::partials
+                             : p.up_parts != nullptr && Cluster == 1 && BlockM == fp8_block_m;
   MOE_EXPECT(g.k_splits == 1 || (may_split && g.k_splits >= 1 && g.k_splits <= g.k / tile_t::block_k), where,
-             "k_splits must be 1, or for GEMM2 into the output or partials at most the K tiles, got " +
+             "k_splits must be 1, or at most the K tiles: for GEMM2 into the output or partials, for GEMM1 "
+             "into up_parts on 64-row CTAs alone; got " +
                  std::to_string(g.k_splits));
   MOE_EXPECT(g.store != kernels::down_store::partials || g.partials != nullptr, where, "partials is null");
   MOE_EXPECT(g.raster_band >= 1, where, "raster_band must be positive");

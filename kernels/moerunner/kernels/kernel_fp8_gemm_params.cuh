@@ -28,6 +28,11 @@ struct moe_gemm_fp8_params {
   std::uint8_t* act = nullptr;      // wgmma GEMM1: e4m3 act [R, n]
   float* act_scale = nullptr;       // wgmma GEMM1: [R, n / 128]
   float* act_f32 = nullptr;         // stream GEMM1: f32 act [R, n], quantized by its own kernel
+  // wgmma GEMM1 with K splits (g.k_splits > 1): each item's f32 sums of its K range, as
+  // up_parts[split * up_parts_stride + row * halves * n + c] (gate_up: gate columns c < n, then
+  // up), for finish_up_parts_kernel; act and act_scale are then that kernel's to write.
+  float* up_parts = nullptr;
+  std::int64_t up_parts_stride = 0;
   // wgmma GEMM2: act's rows (already in plan order) loaded by TMA through the kernel's A tensor
   // map, one box per stage, instead of by the producer threads' cp.async.
   bool a_tma = false;

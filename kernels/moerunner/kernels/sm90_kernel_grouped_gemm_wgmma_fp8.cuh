@@ -155,6 +155,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
   static constexpr int blocks = tall ? 2 : 1;  // 128-row B blocks per warpgroup
   static constexpr int schedule_block_m = block_m * Cluster;
   static constexpr int halves = Kind == moe_gemm_kind::gate_up ? 2 : 1;
+  // GEMM1 splits K (into f32 parts) on 64-row CTAs alone only: the branch is not compiled
+  // elsewhere (beside the 128-row tile's accumulators it spilled).
+  static constexpr bool up_splits = Kind != moe_gemm_kind::down && Cluster == 1 && !tall;
   static constexpr int out_cols = bn / halves;        // output columns per CTA: 128 gated, else 256
   static constexpr int box_rows = halves == 2 ? 64 : 128;
   static constexpr int boxes = bn / box_rows;
@@ -586,6 +589,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
           wgmma_epilogue<T, Kind>::template store<16, false>(
               g, tile, n0 + 128 * (first_block + blk), item.split, row_base, warp, lane,
               [&](int j, int i) { return acc[64 * blk + 4 * j + i]; }, [&](int, int) { return 0.0f; });
+      } else if (up_splits && g.k_splits > 1) {
+        store_parts(p, tile, n0, first_block, row_base, warp, lane, acc, item.split);
       } else {
         const auto store = [&](const auto& act) {
           store_act(p, act, tile, n0, first_block, row_base, warp, lane, acc, amax_exchange[exchange], group);
@@ -752,6 +757,39 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
         }
   }
 
+  // GEMM1 in K splits: the warpgroup's f32 sums over its K range (per-channel scales applied) of
+  // rows row_base + r0 and r0 + 8, as split `split`'s part (moe_gemm_fp8_params::up_parts): the
+  // gate and up sums of act column c at c and n + c (gate_up), or the sum of column c (up_only).
+  // finish_up_parts_kernel does the rest of GEMM1's epilogue.
+  __device__ __forceinline__ static void store_parts(const moe_gemm_fp8_params<T>& p, const gpu::moe_m_tile& tile,
+                                                     int n0, int first_block, int row_base, int warp, int lane,
+                                                     const float (&acc)[64 * blocks], int split) {
+    const moe_gemm_params<T>& g = p.g;
+    constexpr int cols = halves == 2 ? 64 : 128;  // act columns of one block
+    const int rows = tile.row_end - tile.row_begin;
+    const std::int64_t width = static_cast<std::int64_t>(halves) * g.n;
+    float* part = p.up_parts + split * p.up_parts_stride;
+#pragma unroll
+    for (int blk = 0; blk < blocks; ++blk) {
+      const int col_base = n0 + cols * (first_block + blk);
+      if (col_base >= g.n) continue;  // up_only's block past n
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_base + 16 * warp + lane / 4 + 8 * h;
+        if (r >= rows) continue;
+        float* dst = part + (tile.row_begin + r) * width + col_base + 2 * (lane % 4);
+        // Register 4j + 2h + q: B row 8j + 2(lane % 4) + q of the block (gate_up: j < 8 gate
+        // rows, then their up rows), act column col_base + 8 (j % 8) + 2(lane % 4) + q.
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const std::int64_t at = halves == 2 && j >= 8 ? g.n + 8 * (j - 8) : 8 * j;
+          *reinterpret_cast<float2*>(dst + at) =
+              make_float2(acc[64 * blk + 4 * j + 2 * h], acc[64 * blk + 4 * j + 2 * h + 1]);
+        }
+      }
+    }
+  }
+
   // GEMM1's epilogue: the warpgroup's act values (act: a callable of activation_math.cuh) of
   // rows row_base + r0 and r0 + 8 over its blocks, quantized per 128 columns. gate_up: the CTA's
   // 128 columns are 64 of each block; with 128-row tiles one thread holds both, else each
@@ -860,8 +898,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
 };
 
 // Persistent CTAs over work items in decode_work_item's order, K split into g.k_splits ranges
-// (GEMM2 into the output or f32 parts only). The body exists only in sm_90a code; elsewhere it
-// traps (the launch code checks first).
+// (GEMM2 into the output or f32 parts; GEMM1 into f32 parts, on 64-row CTAs alone). The body
+// exists only in sm_90a code; elsewhere it traps (the launch code checks first).
 template <class T, moe_gemm_kind Kind, int Cluster, int BlockM, gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain,
           bool HandOut = false, bool Staged = false>
 __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM, Staged>::threads, 1)

@@ -90,8 +90,9 @@ class cuda_fused_fp8_policy {
   // Force the stream GEMMs, pairs or fours of wgmma CTAs or 128-row wgmma CTAs on or off, the wgmma
   // GEMMs' K loop or raster band (or bands of one expert's tiles), their work items handed out at
   // run time, GEMM2's K splits, its rows for the combine kernel against its reductions into the
-  // output, its A rows by TMA against cp.async, or its sums stored by store warps (unset: the
-  // plan's rules), for measuring one against the other (gpu::fp8_settings).
+  // output, its A rows by TMA against cp.async, its sums stored by store warps, dependent launches
+  // of the GEMMs, or GEMM1's K splits (unset: the plan's rules), for measuring one against the
+  // other (gpu::fp8_settings).
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
   void set_quads(std::optional<bool> on) noexcept { settings_.quads = on; }
@@ -102,6 +103,7 @@ class cuda_fused_fp8_policy {
   // or run.)
   void set_raster_band(std::optional<int> band) noexcept { settings_.raster_band = band; }
   void set_down_k_splits(std::optional<int> splits) noexcept { settings_.down_k_splits = splits; }
+  void set_up_k_splits(std::optional<int> splits) noexcept { settings_.up_k_splits = splits; }
   void set_expert_bands(std::optional<bool> on) noexcept { settings_.expert_bands = on; }
   void set_down_rows(std::optional<bool> on) noexcept { settings_.down_rows = on; }
   void set_down_a_tma(std::optional<bool> on) noexcept { settings_.down_a_tma = on; }
@@ -110,7 +112,8 @@ class cuda_fused_fp8_policy {
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
-  // scales (+ GEMM2's rows or K-split parts when a combine kernel sums them). The split count
+  // scales (+ GEMM2's rows or K-split parts when a combine kernel sums them; + the stream GEMM1's
+  // f32 act, or GEMM1's K-split parts where set_up_k_splits asks for them). The split count
   // follows the device's SM count: size a workspace for another device with its target.
   std::size_t workspace_bytes(std::int64_t num_tokens) const { return plan(num_tokens).workspace.total; }
   std::size_t workspace_bytes(std::int64_t num_tokens, const gpu::device_target& dev) const {
@@ -248,6 +251,11 @@ class cuda_fused_fp8_policy {
     g1.b_scaling = q.scaling;
     g1.act = act;
     g1.act_scale = act_scale;
+    if (pl.up_k_splits > 1) {
+      g1.g.k_splits = pl.up_k_splits;
+      g1.up_parts = reinterpret_cast<float*>(base + lay.up_parts);
+      g1.up_parts_stride = slots * (cfg_.is_gated() ? 2 : 1) * static_cast<std::int64_t>(inter);
+    }
     if (pl.schedule_in_gemms) {
       g1.g.local_ids = d.topk.topk_ids.ptr<const std::int32_t>();
       g1.g.local_slots = static_cast<int>(slots);
@@ -300,6 +308,7 @@ class cuda_fused_fp8_policy {
         else
           gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster, BlockM, Loop>(
               g1, w13, experts, schedule, dev, stream, gemm1_dependent);
+        if (pl.up_k_splits > 1) gpu::finish_up_parts_fp8(g1, cfg_.is_gated(), schedule, stream);
         // Store warps where the plan takes them (64-row CTAs alone or in pairs), with the plain
         // K loop whatever GEMM1's.
         if constexpr (BlockM == gpu::fp8_block_m && Cluster <= 2) {
