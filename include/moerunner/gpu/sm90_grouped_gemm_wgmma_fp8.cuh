@@ -67,7 +67,8 @@ void finish_up_parts_fp8(const kernels::moe_gemm_fp8_params<T>& g1, bool gated, 
   a.tile_count = schedule.count;
   a.act_q = g1.act;
   a.act_scale = g1.act_scale;
-  launch_dependent(kernels::finish_up_parts_kernel, dim3(static_cast<unsigned>(schedule.capacity)),
+  launch_dependent(kernels::finish_up_parts_kernel<kernels::up_parts_threads>,
+                   dim3(static_cast<unsigned>(schedule.capacity)),
                    dim3(kernels::up_parts_threads), 0, stream, true, a);
   MOE_CUDA_CHECK_LAUNCH("finish_up_parts_kernel");
 }

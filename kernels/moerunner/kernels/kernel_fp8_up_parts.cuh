@@ -35,15 +35,17 @@ struct up_parts_args {
 
 inline constexpr int up_parts_threads = 256;
 
-// One CTA per schedule tile (those past the tile count return), one warp per row and group of
-// 128 columns at a time, four columns a lane. Launched as GEMM1's programmatic dependent.
-__global__ void __launch_bounds__(up_parts_threads) finish_up_parts_kernel(const up_parts_args a) {
+// One CTA of Threads per schedule tile (those past the tile count return), one warp per row and
+// group of 128 columns at a time, four columns a lane. Launched as GEMM1's programmatic
+// dependent. (A template: the translation units that include this header share one definition.)
+template <int Threads>
+__global__ void __launch_bounds__(Threads) finish_up_parts_kernel(const up_parts_args a) {
   wait_for_prior_grids();
   allow_dependent_grids();
   if (static_cast<int>(blockIdx.x) >= *a.tile_count) return;
   const gpu::moe_m_tile tile = a.tiles[blockIdx.x];
   const int groups = a.n / fp8_group;
-  const int warps = up_parts_threads / 32, warp = static_cast<int>(threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int warps = Threads / 32, warp = static_cast<int>(threadIdx.x) / 32, lane = threadIdx.x % 32;
   const std::int64_t width = a.gated ? 2 * static_cast<std::int64_t>(a.n) : a.n;
   const int tasks = (tile.row_end - tile.row_begin) * groups;
   for (int t = warp; t < tasks; t += warps) {
@@ -71,19 +73,11 @@ __global__ void __launch_bounds__(up_parts_threads) finish_up_parts_kernel(const
     // act(W (w x)) = act(w (W x)): the router weight scales the sums, as in the GEMM's epilogue.
     const float weight = a.input_weights != nullptr ? a.input_weights[a.row_to_slot[row]] : 1.0f;
     float v[4];
-    float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[i] = apply_activation(a.act, a.gated, gate[i] * weight, up[i] * weight);
-      amax = fmaxf(amax, fabsf(v[i]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = fp8_group_scale(amax), inverse = fp8_group_inverse(scale);
-    const std::uint32_t packed = static_cast<std::uint32_t>(fp8_pack2(v[0], v[1], inverse)) |
-                                 (static_cast<std::uint32_t>(fp8_pack2(v[2], v[3], inverse)) << 16);
-    *reinterpret_cast<std::uint32_t*>(a.act_q + row * a.n + col) = packed;
-    if (lane == 0) a.act_scale[row * groups + t % groups] = scale;
+    for (int i = 0; i < 4; ++i) v[i] = apply_activation(a.act, a.gated, gate[i] * weight, up[i] * weight);
+    const fp8_lane_quad r = quantize_warp_group(v);
+    *reinterpret_cast<std::uint32_t*>(a.act_q + row * a.n + col) = r.packed;
+    if (lane == 0) a.act_scale[row * groups + t % groups] = r.scale;
   }
 }
 

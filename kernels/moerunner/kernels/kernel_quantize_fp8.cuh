@@ -43,6 +43,24 @@ __device__ __forceinline__ std::uint16_t fp8_pack2(float lo, float hi, float inv
                                   __NV_E4M3);
 }
 
+// A warp's group of 128 values, four per lane: the lane's four as e4m3 bytes (packed, the first
+// at the lowest address) and the group's scale.
+struct fp8_lane_quad {
+  std::uint32_t packed;
+  float scale;
+};
+__device__ __forceinline__ fp8_lane_quad quantize_warp_group(const float (&f)[4]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float scale = fp8_group_scale(amax), inverse = fp8_group_inverse(scale);
+  return {static_cast<std::uint32_t>(fp8_pack2(f[0], f[1], inverse)) |
+              (static_cast<std::uint32_t>(fp8_pack2(f[2], f[3], inverse)) << 16),
+          scale};
+}
+
 // One warp per group of 128 (4 values per lane, one load each): q [rows, h] e4m3 and scales
 // [rows, h / 128]; h is a multiple of 128, x aligned to 4 values (T: bf16, f16 or f32). May be
 // launched as a programmatic dependent of the kernel that writes x.
@@ -60,19 +78,11 @@ __global__ void quantize_rows_fp8_kernel(const T* __restrict__ x, std::int64_t g
   const four raw = *reinterpret_cast<const four*>(x + first);
   const T* v = reinterpret_cast<const T*>(&raw);
   float f[4];
-  float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[i] = to_f32(v[i]);
-    amax = fmaxf(amax, fabsf(f[i]));
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float scale = fp8_group_scale(amax), inverse = fp8_group_inverse(scale);
-  const std::uint32_t packed = static_cast<std::uint32_t>(fp8_pack2(f[0], f[1], inverse)) |
-                               (static_cast<std::uint32_t>(fp8_pack2(f[2], f[3], inverse)) << 16);
-  *reinterpret_cast<std::uint32_t*>(q + first) = packed;
-  if (lane == 0) scales[group] = scale;
+  for (int i = 0; i < 4; ++i) f[i] = to_f32(v[i]);
+  const fp8_lane_quad r = quantize_warp_group(f);
+  *reinterpret_cast<std::uint32_t*>(q + first) = r.packed;
+  if (lane == 0) scales[group] = r.scale;
 }
 
 }  // namespace moerunner::kernels
