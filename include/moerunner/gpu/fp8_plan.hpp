@@ -182,9 +182,8 @@ struct fp8_plan {
   // previous kernel's programmatic dependent, only where asked: its CTAs start on the SMs that
   // kernel's last CTAs leave, load their first item's first weight tiles (which depend on nothing
   // it writes) and then wait for it. Meant for the last wave of GEMM1 at decode, which leaves
-  // most SMs idle (Qwen3-30B-A3B at 8 tokens: 300 items on 132 SMs). Not measured yet
-  // (bench/NOTES.md, round 27); round 2's dependent wgmma launches, without the early loads,
-  // measured 1-12% slower at decode.
+  // most SMs idle (Qwen3-30B-A3B at 8 tokens: 300 items on 132 SMs); on an H100 the layer
+  // measured within 1% at 8-64 tokens and 0.4-4% slower at 4096-16384 (bench/NOTES.md, round 27).
   bool dependent_gemms = false;
   // wgmma GEMM1 on 64-row CTAs alone in fixed turns, only where asked: each item's K tiles in
   // up_k_splits ranges, each range's f32 gate and up sums written as parts, and a kernel after it

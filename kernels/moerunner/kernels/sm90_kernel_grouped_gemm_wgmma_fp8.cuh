@@ -53,12 +53,13 @@
 // has every consumer lane release the stage, to tell which of the two racecheck does not follow.)
 //
 // Store warps (Staged, GEMM2 on 64-row CTAs alone or in pairs, plain K loop, A by TMA; where
-// GEMM2's K loop is short, gpu::fp8_staged_max_k_tiles): warp 0 of the producer warpgroup alone loads the stages (A and B boxes, the scales two
-// a lane), and warps 1-3 store GEMM2's sums. The consumers write each item's sums (times the
-// row's factor, packed as the direct epilogue packs them) into a staging tile after the ring,
-// arrive on staged_full and start the next item; the store warps, walking the same items, copy
-// one row per warp instruction (16 bytes a lane) to the rows, slots or (16-byte reductions) the
-// output, then arrive on staged_empty, which the consumers wait on before the next item's writes.
+// GEMM2's K loop is short, gpu::fp8_staged_max_k_tiles): warp 0 of the producer warpgroup alone
+// loads the stages (A and B boxes, the scales two a lane), and warps 1-3 store GEMM2's sums. The
+// consumers write each item's sums (times the row's factor, packed as the direct epilogue packs
+// them) into a staging tile after the ring, arrive on staged_full and start the next item; the
+// store warps, walking the same items, copy one row per warp instruction (16 bytes a lane) to the
+// rows, slots or (16-byte reductions) the output, then arrive on staged_empty, which the
+// consumers wait on before the next item's writes.
 //
 // GEMM1's epilogue: act = activation(gate, up) in f32 (times the router weight where applied on
 // the input), each row's amax over the CTA's 128 columns (a quad shuffle, then across the two
@@ -400,9 +401,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
   // the tile schedule. Launched as a programmatic dependent, the kernel's CTAs start on the SMs
   // that the grid before it leaves as its last CTAs run, and the weight stream starts there
   // instead of after that grid's end. The schedule's writer has finished by then (the launch
-  // code makes this grid a dependent only of a later kernel: the input's quantization, or GEMM1),
-  // but L1 may hold an earlier run's words: they are read from L2. Expert bands (band words read
-  // by the item order) start after the wait. Returns the K tiles issued.
+  // code makes this grid a dependent only of a later kernel: the input's quantization, GEMM1 or
+  // its parts kernel), but L1 may hold an earlier run's words: they are read from L2. Expert
+  // bands (band words read by the item order) start after the wait. Returns the K tiles issued.
   __device__ static int load_first_weights(const moe_gemm_fp8_params<T>& p, const CUtensorMap* b_map,
                                            unsigned char* ring, barriers& bars) {
     const moe_gemm_params<T>& g = p.g;
