@@ -154,11 +154,11 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
                       : prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop, false>(dev);
   else places = prepare_wgmma_fp8_gemm<T, Kind, Cluster, BlockM, Loop, false>(dev);
   const std::int64_t n_tiles = (g.n + tile_t::out_cols - 1) / tile_t::out_cols;
-  // GEMM2 splits K into the output or f32 parts; GEMM1 into f32 parts on 64-row CTAs alone
-  // (finish_up_parts_fp8 completes it).
+  // GEMM2 splits K into the output or f32 parts; GEMM1 into f32 parts where its kernel can
+  // (tile_t::up_splits: 64-row CTAs alone; finish_up_parts_fp8 completes it).
   const bool may_split = Kind == kernels::moe_gemm_kind::down
                              ? g.store == kernels::down_store::accumulate || g.store == kernels::down_store::partials
-                             : p.up_parts != nullptr && Cluster == 1 && BlockM == fp8_block_m;
+                             : p.up_parts != nullptr && tile_t::up_splits;
   MOE_EXPECT(g.k_splits == 1 || (may_split && g.k_splits >= 1 && g.k_splits <= g.k / tile_t::block_k), where,
              "k_splits must be 1, or at most the K tiles: for GEMM2 into the output or partials, for GEMM1 "
              "into up_parts on 64-row CTAs alone; got " +
