@@ -386,6 +386,19 @@ g::fp8_plan fp8_plan_of(moe_config_params p, std::int64_t m, g::device_target de
   return g::make_fp8_plan(MoeRunnerConfig(p), m, dev);
 }
 
+// The plan of a run with settings forced.
+g::fp8_plan fp8_plan_with(const moe_config_params& c, std::int64_t m, const g::fp8_settings& s) {
+  return g::make_fp8_plan(MoeRunnerConfig(c), m, h200, s);
+}
+
+// Qwen3-30B-A3B's shape with an ungated GEMM1 (gelu).
+moe_config_params ungated_qwen3() {
+  moe_config_params c = qwen3();
+  c.act.kind = moerunner::activation_kind::gelu;
+  c.is_gated = false;
+  return c;
+}
+
 }  // namespace
 
 TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pairs of CTAs from 96 rows per expert, K split where items come in few waves") {
@@ -718,13 +731,8 @@ TEST_CASE("fp8 plan: dependent wgmma launches only where asked, nothing else cha
 }
 
 TEST_CASE("fp8 plan: GEMM1's K splits only where asked, on single 64-row CTAs, with their parts") {
-  const auto plan = [](const moe_config_params& c, std::int64_t m, g::fp8_settings s) {
-    return g::make_fp8_plan(MoeRunnerConfig(c), m, h200, s);
-  };
-  moe_config_params ungated = qwen3();
-  ungated.act.kind = moerunner::activation_kind::gelu;
-  ungated.is_gated = false;
-  for (const moe_config_params& c : {mixtral(), deepseek(), qwen3(), ungated})
+  const auto plan = fp8_plan_with;
+  for (const moe_config_params& c : {mixtral(), deepseek(), qwen3(), ungated_qwen3()})
     for (const std::int64_t m : {0, 1, 8, 64, 512, 4096}) {
       CAPTURE(m);
       const g::fp8_plan base = fp8_plan_of(c, m);
@@ -758,6 +766,43 @@ TEST_CASE("fp8 plan: GEMM1's K splits only where asked, on single 64-row CTAs, w
   inv.batch_invariant = true;
   CHECK(plan(inv, 64, {.up_k_splits = 2}).up_k_splits == 1);
   CHECK_THROWS_AS(plan(qwen3(), 64, {.up_k_splits = 0}), moerunner::invalid_argument_error);
+}
+
+TEST_CASE("fp8 plan: GEMM1's store warps only where asked, on the gated GEMM1's 64-row CTAs") {
+  const auto plan = fp8_plan_with;
+  for (const moe_config_params& c : {mixtral(), deepseek(), qwen3(), ungated_qwen3()})
+    for (const std::int64_t m : {0, 1, 8, 64, 512, 4096, 16384}) {
+      CAPTURE(c.is_gated);
+      CAPTURE(m);
+      const g::fp8_plan base = fp8_plan_of(c, m);
+      CHECK_FALSE(base.staged_up);  // never by default
+      for (const std::optional<bool> pairs : {std::optional<bool>{}, std::optional<bool>{false}, std::optional<bool>{true}}) {
+        const g::fp8_plan p = plan(c, m, {.pairs = pairs, .staged_up = true});
+        const bool may = !p.stream && m > 0 && c.is_gated && !p.hand_out && p.up_k_splits == 1 &&
+                         (p.tile == g::fp8_tile::m64 || p.tile == g::fp8_tile::m64x2);
+        CHECK(p.staged_up == may);
+        CHECK((p.describe().find("GEMM1's act quantized by store warps") != std::string::npos) == may);
+        // Nothing else in the plan moves: the tile, loops, GEMM2's store and the workspace.
+        const g::fp8_plan off = plan(c, m, {.pairs = pairs});
+        CHECK(p.tile == off.tile);
+        CHECK(p.k_loop == off.k_loop);
+        CHECK(p.down == off.down);
+        CHECK(p.staged_down == off.staged_down);
+        CHECK(p.workspace.total == off.workspace.total);
+      }
+      // Not on 128-row CTAs or fours, with GEMM1 in K splits, or with handed-out items.
+      if (m >= 512) {
+        CHECK_FALSE(plan(c, m, {.pairs = false, .tall = true, .staged_up = true}).staged_up);
+        CHECK_FALSE(plan(c, m, {.quads = true, .staged_up = true}).staged_up);
+        CHECK_FALSE(plan(c, m, {.pairs = false, .staged_up = true, .up_k_splits = 2}).staged_up);
+        const g::fp8_plan handed = plan(c, m, {.pairs = false, .k_loop = g::fp8_k_loop::plain, .hand_out = true,
+                                               .staged_up = true});
+        CHECK(handed.staged_up == (c.is_gated && !handed.hand_out));
+      }
+    }
+  moe_config_params inv = qwen3();
+  inv.batch_invariant = true;
+  for (const std::int64_t m : {1, 64, 4096}) CHECK_FALSE(plan(inv, m, {.staged_up = true}).staged_up);
 }
 
 TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {

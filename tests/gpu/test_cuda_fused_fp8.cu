@@ -459,6 +459,39 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       run({300, 8, 2, 256, 256}, {.ids = ids_kind::random_filtered, .no_combine = true}, {.staged_down = false});
     }
   }
+  SUBCASE("GEMM1's act quantized by store warps") {
+    // Forced (the plan takes them only when asked) on single CTAs and pairs: each gated
+    // activation, interleaved gate/up rows, the router weight on the input, per-channel and
+    // per-tensor scales, skewed and one-expert tiles (CTAs of a pair without rows), GEMM2 with
+    // and without its own store warps, in place, e4m3 input, deterministic, no_combine, ~50
+    // experts at 64 tokens, 0 and 1 token. (A GEMM1 without gate rows keeps its consumers'
+    // epilogue: the plan's host test.)
+    for (const bool paired : {false, true}) {
+      CAPTURE(paired);
+      const auto run = [&](const shape& c, const options& o, mr::gpu::fp8_settings f = {}, bool prequantized = false,
+                           mr::fp8_weight_scaling scaling = mr::fp8_weight_scaling::block128) {
+        f.stream = false, f.pairs = paired, f.staged_up = true;
+        worst = std::max(worst, check_case(c, bf16, o, rng, prequantized, scaling, f));
+      };
+      run({97, 8, 2, 512, 256}, {});
+      run({300, 8, 2, 384, 640}, {.ids = ids_kind::skewed});
+      run({600, 8, 2, 256, 256}, {.ids = ids_kind::one_expert});
+      run({97, 8, 2, 512, 256}, {.act = mr::activation_kind::gelu});
+      run({97, 8, 2, 512, 256}, {.act = mr::activation_kind::swiglu_clamped});
+      run({97, 8, 2, 512, 256}, {.interleaved = true});
+      run({97, 8, 1, 512, 256}, {.weight_on_input = true});
+      run({97, 8, 2, 512, 256}, {}, {}, false, mr::fp8_weight_scaling::per_channel);
+      run({97, 8, 2, 512, 256}, {}, {}, false, mr::fp8_weight_scaling::per_tensor);
+      run({300, 8, 2, 256, 256}, {}, {.staged_down = false});
+      run({97, 8, 2, 512, 256}, {.inplace = true});
+      run({97, 8, 2, 512, 256}, {}, {}, true);
+      run({97, 8, 2, 512, 256}, {.deterministic = true});
+      run({300, 8, 2, 256, 256}, {.ids = ids_kind::random_filtered, .no_combine = true});
+      run({64, 128, 8, 512, 256}, {});
+      run({1, 8, 2, 512, 256}, {});
+      run({0, 8, 2, 512, 256}, {});
+    }
+  }
   SUBCASE("the wgmma GEMMs launched as programmatic dependents") {
     // Forced (the plan takes them only when asked): each GEMM loads its first item's first
     // weight tiles before its wait. Single CTAs, pairs and 128-row CTAs, both K loops; GEMM2 in
@@ -772,6 +805,15 @@ TEST_CASE("fp8: deterministic bits across runs and under graph replay") {
       fp8_on_device dep(p, {.stream = false, .dependent_gemms = true});
       CHECK(std::memcmp(first.view.data, dep.run_once(p).view.data, first.view.bytes()) == 0);
       replays_match(dep, p, first);
+      // GEMM1's store warps quantize the values its consumers would have, by the same rule.
+      for (const bool paired : {false, true}) {
+        CAPTURE(paired);
+        fp8_on_device own(p, {.stream = false, .pairs = paired, .k_loop = mr::gpu::fp8_k_loop::plain});
+        fp8_on_device staged(p, {.stream = false, .pairs = paired, .staged_up = true});
+        const host_tensor expected = own.run_once(p);
+        CHECK(std::memcmp(expected.view.data, staged.run_once(p).view.data, expected.view.bytes()) == 0);
+        replays_match(staged, p, expected);
+      }
     }
   }
 }

@@ -1,10 +1,10 @@
 // Device code only (compiled to a cubin by the kernels suite's ptxas_spills test): every sm_90a
 // wgmma GEMM the fused backends launch, for one 16-bit output type, with its work items in fixed
 // turns and (16-bit, and fp8 64-row CTAs alone or in pairs with the plain K loop) handed out at run
-// time, and the fp8 GEMM2 with store warps. Their accumulators and the fp8 promotion's block live
-// in registers under setmaxnreg budgets; a spill in the K loop or the epilogue costs what the tile
-// was chosen to save, so none may spill; nor may ptxas serialize their wgmma (the overlapped and
-// staggered fp8 K loops keep a group in flight across other code).
+// time, and the fp8 GEMM2 and gated GEMM1 with store warps. Their accumulators and the fp8
+// promotion's block live in registers under setmaxnreg budgets; a spill in the K loop or the
+// epilogue costs what the tile was chosen to save, so none may spill; nor may ptxas serialize
+// their wgmma (the overlapped and staggered fp8 K loops keep a group in flight across other code).
 #include <cuda_bf16.h>
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
@@ -70,3 +70,5 @@ MOERUNNER_WGMMA_FP8(up_only, 2, g::fp8_block_m, stagger)
 MOERUNNER_WGMMA_FP8(down, 2, g::fp8_block_m, stagger)
 MOERUNNER_WGMMA_FP8_KERNEL(down, 1, g::fp8_block_m, plain, false, true)
 MOERUNNER_WGMMA_FP8_KERNEL(down, 2, g::fp8_block_m, plain, false, true)
+MOERUNNER_WGMMA_FP8_KERNEL(gate_up, 1, g::fp8_block_m, plain, false, true)
+MOERUNNER_WGMMA_FP8_KERNEL(gate_up, 2, g::fp8_block_m, plain, false, true)

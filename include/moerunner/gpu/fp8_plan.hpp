@@ -116,8 +116,8 @@ struct fp8_workspace {
 
 // Choices a caller may force, for measuring one against the other (cuda_fused_fp8_policy's
 // set_stream_gemms, set_pairs, set_quads, set_tall, set_k_loop, set_raster_band,
-// set_down_k_splits, set_down_rows, set_down_a_tma, set_staged_down, set_dependent_gemms and
-// set_up_k_splits); unset, the plan's rules decide.
+// set_down_k_splits, set_down_rows, set_down_a_tma, set_staged_down, set_staged_up,
+// set_dependent_gemms and set_up_k_splits); unset, the plan's rules decide.
 // Batch-invariant runs keep single 64-row wgmma CTAs with the plain K loop whatever is asked
 // (one kernel family at every M is what the mode promises). Each member is initialized, so a
 // designated initializer names only what it forces.
@@ -146,6 +146,9 @@ struct fp8_settings {
   // The wgmma GEMM2's sums stored by store warps (fp8_plan::staged_down) where it may (unset:
   // fp8_staged_max_k_tiles' rule).
   std::optional<bool> staged_down = std::nullopt;
+  // The gated wgmma GEMM1's act quantized by store warps (fp8_plan::staged_up) where it may
+  // (unset: never).
+  std::optional<bool> staged_up = std::nullopt;
   // The wgmma GEMMs launched as programmatic dependents (fp8_plan::dependent_gemms; unset: never).
   std::optional<bool> dependent_gemms = std::nullopt;
   // The wgmma GEMM1's K splits (fp8_plan::up_k_splits; >= 1, at most its K tiles) where it may
@@ -178,6 +181,12 @@ struct fp8_plan {
   // (four stages instead of five). The plan takes them where GEMM2's K loop is short
   // (fp8_staged_max_k_tiles).
   bool staged_down = false;
+  // The gated wgmma GEMM1 on 64-row CTAs alone or in pairs, in fixed turns and without K splits,
+  // only where asked: its consumers leave each item's f32 act (after the activation) in a staging
+  // tile and go on to the next item, two warps of the producer warpgroup quantize and store it
+  // (the same bits as the consumers' own epilogue), and the other two load the stages (four);
+  // plain K loop whatever the plan's (with the overlapped one the consumers spilled).
+  bool staged_up = false;
   // wgmma: GEMM2 (and GEMM1 where the input rows are quantized just before it) launched as the
   // previous kernel's programmatic dependent, only where asked: its CTAs start on the SMs that
   // kernel's last CTAs leave, load their first item's first weight tiles (which depend on nothing
@@ -209,6 +218,7 @@ struct fp8_plan {
     if (combine_kernel) s += " + combine kernel";
     if (up_k_splits > 1) s += ", GEMM1 in " + std::to_string(up_k_splits) + " K splits + activation kernel";
     if (down_a_tma) s += ", GEMM2's A by TMA";
+    if (staged_up) s += ", GEMM1's act quantized by store warps (plain K loop)";
     if (staged_down) s += ", GEMM2 stored by store warps (plain K loop)";
     if (dependent_gemms) s += ", dependent launches";
     s += "; workspace " + std::to_string(workspace.total) + " B (x e4m3 + scales " +
@@ -306,6 +316,9 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
                   p.down != down_store::partials &&
                   settings.staged_down.value_or(!cfg.batch_invariant() &&
                                                cfg.intermediate_size() <= fp8_staged_max_k_tiles * fp8_block_k);
+  p.staged_up = !p.stream && num_tokens > 0 && cfg.is_gated() && !cfg.batch_invariant() &&
+                (p.tile == fp8_tile::m64 || p.tile == fp8_tile::m64x2) && !p.hand_out && p.up_k_splits == 1 &&
+                settings.staged_up.value_or(false);
   p.dependent_gemms = !p.stream && num_tokens > 0 && settings.dependent_gemms.value_or(false);
 
   const auto m = static_cast<std::size_t>(num_tokens);

@@ -85,20 +85,20 @@ int prepare_wgmma_fp8_gemm(const device_facts& dev) {
   if (cached) {
     if (const int n = places[dev.device].load(std::memory_order_relaxed); n > 0) return n;
   }
-  using shape = kernels::wgmma_fp8_shape<BlockM, Staged>;
+  using tile_t = kernels::moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Loop, HandOut, Staged>;
   const auto kernel = kernels::moe_grouped_gemm_wgmma_fp8_kernel<T, Kind, Cluster, BlockM, Loop, HandOut, Staged>;
-  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shape::smem_bytes));
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile_t::smem_bytes));
   int n = 0;
   if constexpr (Cluster == 1) {
-    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, shape::threads, shape::smem_bytes));
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, tile_t::threads, tile_t::smem_bytes));
     n = n > 0 ? dev.sm_count : 0;
   } else {
-    const launch_config c(dim3(Cluster * dev.sm_count), dim3(shape::threads), shape::smem_bytes, nullptr, false,
+    const launch_config c(dim3(Cluster * dev.sm_count), dim3(tile_t::threads), tile_t::smem_bytes, nullptr, false,
                           Cluster);
     MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &c.config));
   }
   MOE_EXPECT(n > 0, "gpu::launch_moe_gemm_wgmma_fp8",
-             "the fp8 wgmma GEMM does not fit on this device (" + std::to_string(shape::smem_bytes) +
+             "the fp8 wgmma GEMM does not fit on this device (" + std::to_string(tile_t::smem_bytes) +
                  " bytes of shared memory per CTA, clusters of " + std::to_string(Cluster) + ")");
   if (cached) places[dev.device].store(n, std::memory_order_relaxed);
   return n;
@@ -110,8 +110,9 @@ int prepare_wgmma_fp8_gemm(const device_facts& dev) {
 // only); b is the e4m3 weights [num_experts, p.g.b_rows_per_expert, p.g.k]. Fills p.g.tiles,
 // tile_count and n_tiles. With p.g.item_counter (zero: schedule.item_counters) the work items
 // are handed out at run time (64-row CTAs alone or in pairs with the plain K loop only: the
-// 128-row CTAs' producer, at 40 registers, spilled with the hand-out's state). Staged (GEMM2 on
-// 64-row CTAs alone or in pairs, A by TMA, not into K-split parts): store warps write the sums.
+// 128-row CTAs' producer, at 40 registers, spilled with the hand-out's state). Staged (64-row
+// CTAs alone or in pairs; GEMM2 with A by TMA, not into K-split parts, or the gated GEMM1 without
+// K splits): store warps write the sums, or quantize and write act.
 // `dependent_launch`: a programmatic dependent of the kernel before it, which must not be the
 // kernel that wrote the schedule (the kernel reads the schedule before its wait to load its
 // first weight tiles: kernels::moe_gemm_wgmma_fp8::load_first_weights).
@@ -139,8 +140,9 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
   // rows, zeros past a_rows. Without them the kernel never reads the map (B's is passed).
   MOE_EXPECT(!p.a_tma || (Kind == kernels::moe_gemm_kind::down && g.a_rows > 0 && g.a_rows <= 0x7fffffff), where,
              "only GEMM2 loads its A rows by TMA, and their count must be set");
-  MOE_EXPECT(!Staged || (p.a_tma && g.store != kernels::down_store::partials && g.item_counter == nullptr), where,
-             "GEMM2's store warps need its A rows by TMA, a 16-bit store and fixed turns");
+  MOE_EXPECT(!Staged || (g.item_counter == nullptr && (Kind != kernels::moe_gemm_kind::down ||
+                                                       (p.a_tma && g.store != kernels::down_store::partials))),
+             where, "store warps need fixed turns, and GEMM2's its A rows by TMA and a 16-bit store");
   const CUtensorMap a_map =
       p.a_tma ? weight_tensor_map(p.a, g.a_rows, static_cast<int>(g.a_rows), g.k, 1, false, tile_t::bm) : map;
   const bool hand_out = g.item_counter != nullptr;

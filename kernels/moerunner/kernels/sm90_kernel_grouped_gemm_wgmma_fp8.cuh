@@ -59,7 +59,11 @@
 // them) into a staging tile after the ring, arrive on staged_full and start the next item; the
 // store warps, walking the same items, copy one row per warp instruction (16 bytes a lane) to the
 // rows, slots or (16-byte reductions) the output, then arrive on staged_empty, which the
-// consumers wait on before the next item's writes.
+// consumers wait on before the next item's writes. The gated GEMM1 the same way (Staged, only
+// where asked: fp8_plan::staged_up): its consumers leave each item's act values in f32 (after
+// the activation and the router weight) in the staging tile, and two store warps quantize them,
+// a row of 128 columns per warp instruction (quantize_warp_group: the amax, scale and e4m3 of the
+// rule below, so act and its scales keep every bit), while two warps load (A by cp.async).
 //
 // GEMM1's epilogue: act = activation(gate, up) in f32 (times the router weight where applied on
 // the input), each row's amax over the CTA's 128 columns (a quad shuffle, then across the two
@@ -91,22 +95,30 @@
 
 namespace moerunner::kernels {
 
-// The tile's constants (sizes from the run plan's), shared with the launch code. Staged (GEMM2's
-// store warps, 64-row tiles): four stages and a staging tile of the CTA's 64 x 256 bf16 sums,
-// rows padded by 16 bytes (a warp's 4-byte writes of 8 rows x 4 pairs then hit 32 banks).
-template <int BlockM, bool Staged = false>
+// Bytes of a staging-tile row (store warps, 64-row tiles; 0 without them): GEMM2's 256 sums as
+// 16-bit pairs, padded by 16 bytes (a warp's 4-byte writes of 8 rows x 4 pairs then hit 32
+// banks), or GEMM1's 128 act values in f32, padded by 32 (a half-warp's 8-byte writes of 4 rows x
+// 4 pairs then hit 32 banks).
+constexpr int wgmma_fp8_staging_row_bytes(bool staged, moe_gemm_kind kind) {
+  return !staged ? 0 : kind == moe_gemm_kind::down ? 2 * gpu::fp8_down_cols + 16 : 4 * (gpu::fp8_down_cols / 2) + 32;
+}
+
+// The tile's constants (sizes from the run plan's), shared with the launch code. With a staging
+// tile (store warps, 64-row tiles): four stages and the tile, StagingRowBytes a row.
+template <int BlockM, int StagingRowBytes = 0>
 struct wgmma_fp8_shape {
   static constexpr int block_m = BlockM, block_n = gpu::fp8_down_cols, block_k = gpu::fp8_block_k;
-  static constexpr int stages = BlockM == gpu::fp8_block_m && !Staged ? 5 : 4, consumers = 2;
-  static_assert(!Staged || BlockM == gpu::fp8_block_m, "the store warps take 64-row tiles");
+  static constexpr bool staged = StagingRowBytes > 0;
+  static constexpr int stages = BlockM == gpu::fp8_block_m && !staged ? 5 : 4, consumers = 2;
+  static_assert(!staged || BlockM == gpu::fp8_block_m, "the store warps take 64-row tiles");
   static_assert((block_m == gpu::fp8_block_m || block_m == gpu::fp8_large_block_m) && block_n == 256 &&
                     block_k == 128,
                 "the layout below is written for 64 or 128 x 256 x 128");
   static constexpr int a_bytes = block_m * block_k, b_bytes = block_n * block_k;
   static constexpr int scale_bytes = 1024;  // A scales (64 or 128 floats), B scales (4), padding to 1024
   static constexpr int stage_bytes = a_bytes + b_bytes + scale_bytes;
-  static constexpr int staging_row_bytes = 2 * block_n + 16;
-  static constexpr int staging_bytes = Staged ? block_m * staging_row_bytes : 0;
+  static constexpr int staging_row_bytes = StagingRowBytes;
+  static constexpr int staging_bytes = block_m * staging_row_bytes;
   static constexpr int smem_bytes = stages * stage_bytes + staging_bytes + 1024;  // + alignment slack
   static constexpr int threads = 128 * (1 + consumers);
   static_assert(smem_bytes <= 227 * 1024, "the ring must fit in shared memory");
@@ -135,15 +147,16 @@ struct ring_slot {
 
 template <class T, moe_gemm_kind Kind, int Cluster, int BlockM = gpu::fp8_block_m,
           gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain, bool HandOut = false, bool Staged = false>
-struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
-  using shape = wgmma_fp8_shape<BlockM, Staged>;
+struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, wgmma_fp8_staging_row_bytes(Staged, Kind)> {
+  using shape = wgmma_fp8_shape<BlockM, wgmma_fp8_staging_row_bytes(Staged, Kind)>;
   using shape::a_bytes, shape::b_bytes, shape::block_k, shape::block_m, shape::block_n, shape::consumers,
       shape::scale_bytes, shape::stage_bytes, shape::stages, shape::staging_row_bytes;
   // Staged: GEMM2's consumers leave their sums (times the row's factor, as bf16/f16 pairs) in the
   // staging tile and go on to the next item; producer warps 1-3 store them, 16 bytes a lane, one
-  // row per warp instruction, while warp 0 alone loads the stages (A by TMA only).
-  static_assert(!Staged || (Kind == moe_gemm_kind::down && !HandOut && Cluster <= 2),
-                "store warps are for GEMM2 in fixed turns, alone or in pairs");
+  // row per warp instruction, while warp 0 alone loads the stages (A by TMA only). The gated
+  // GEMM1's leave f32 act; warps 2-3 quantize and store it, warps 0-1 load (A by cp.async).
+  static_assert(!Staged || (Kind != moe_gemm_kind::up_only && !HandOut && Cluster <= 2),
+                "store warps are for GEMM2 and the gated GEMM1 in fixed turns, alone or in pairs");
   static_assert(Cluster == 1 || Cluster == 2 || Cluster == 4, "CTAs run alone, in pairs or in fours along M");
   static_assert(Cluster <= 2 || (Loop == gpu::fp8_k_loop::plain && !HandOut),
                 "fours of CTAs run the plain K loop in fixed turns");
@@ -158,7 +171,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
   static constexpr int halves = Kind == moe_gemm_kind::gate_up ? 2 : 1;
   // GEMM1 splits K (into f32 parts) on 64-row CTAs alone only: the branch is not compiled
   // elsewhere (beside the 128-row tile's accumulators it spilled).
-  static constexpr bool up_splits = Kind != moe_gemm_kind::down && Cluster == 1 && !tall;
+  static constexpr bool up_splits = Kind != moe_gemm_kind::down && Cluster == 1 && !tall && !Staged;
   static constexpr int out_cols = bn / halves;        // output columns per CTA: 128 gated, else 256
   static constexpr int box_rows = halves == 2 ? 64 : 128;
   static constexpr int boxes = bn / box_rows;
@@ -166,7 +179,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
   static constexpr int a_scale_offset = a_bytes + b_bytes, b_scale_offset = a_scale_offset + block_m * 4;
   static constexpr int producer_threads = 128, consumer_warps = 4 * consumers;
   // Threads that load the stages (and arrive on their full barriers), and the store warps.
-  static constexpr int load_threads = Staged ? 32 : producer_threads;
+  // GEMM2's A comes by TMA alone where it has store warps.
+  static constexpr bool a_tma_only = Staged && Kind == moe_gemm_kind::down;
+  static constexpr int load_threads = !Staged ? producer_threads : a_tma_only ? 32 : 64;
   static constexpr int store_warps = (producer_threads - load_threads) / 32;
   // Lanes of a consumer warp that release a stage (see MOERUNNER_RELEASE_ALL_LANES above).
 #if defined(MOERUNNER_RELEASE_ALL_LANES)
@@ -174,16 +189,25 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
 #else
   static constexpr int release_lanes = 1;
 #endif
-  static constexpr int chunks_per_row = bk / 16;                           // 16-byte chunks: 8
-  static constexpr int rows_per_pass = producer_threads / chunks_per_row;  // 16
-  static constexpr int a_passes = bm / rows_per_pass;                      // 4 or 8
+  static constexpr int chunks_per_row = bk / 16;  // 16-byte chunks: 8
+  // A rows copied per pass of the loading threads (16, or 8 beside GEMM1's store warps; none
+  // copied where A comes by TMA alone), and the passes per stage.
+  static constexpr int rows_per_pass = a_tma_only ? bm : load_threads / chunks_per_row;
+  static constexpr int a_passes = bm / rows_per_pass;
+  static_assert(a_tma_only || rows_per_pass % 8 == 0, "the A copies' swizzle takes rows in eights");
   static constexpr int k_steps = bk / 32;                                  // wgmma per K tile
   // A descriptor's start address (bytes / 16) one stage, or one 128-row B block, further.
   static constexpr std::uint64_t stage_desc = stage_bytes >> 4, block_desc = (128 * bk) >> 4;
   // A consumer thread holds 128 accumulators and a block's 64-register sum (128-row tiles), 64
   // accumulators and one sum (64-row tiles), or 64 and two sums (overlap).
   static constexpr bool lean_producer = tall || overlap;
-  static constexpr int producer_regs = lean_producer ? 40 : 56, consumer_regs = lean_producer ? 232 : 216;
+  // GEMM1 beside store warps copies its A rows with half the threads (8 rows each per stage): at
+  // 56 registers its producer warps spilled, at 72 (all that the plain loop's consumers leave,
+  // the rows' addresses formed per K tile) none did; the overlapped loop's consumers spilled at 216.
+  static constexpr bool wide_producer = Staged && Kind != moe_gemm_kind::down;
+  static_assert(!wide_producer || Loop == gpu::fp8_k_loop::plain, "GEMM1's store warps take the plain K loop");
+  static constexpr int producer_regs = lean_producer ? 40 : wide_producer ? 72 : 56;
+  static constexpr int consumer_regs = lean_producer ? 232 : 216;
   // setmaxnreg moves registers within what the CTA got at launch: 168 per thread for 384
   // threads (launch bounds of one CTA per SM).
   static_assert(producer_threads * producer_regs + consumers * 128 * consumer_regs <= 168 * shape::threads,
@@ -257,7 +281,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
     const int tid = threadIdx.x;  // 0..127
     if constexpr (Staged) {
       if (tid >= load_threads) {
-        store_rows(p, ring + stages * stage_bytes, bars, item_ring, tid - load_threads);
+        if constexpr (Kind == moe_gemm_kind::down)
+          store_rows(p, ring + stages * stage_bytes, bars, item_ring, tid - load_threads);
+        else store_act_rows(p, ring + stages * stage_bytes, bars, item_ring, tid - load_threads);
         return;
       }
     }
@@ -286,8 +312,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
       a_row a_src_row[a_passes];
 #pragma unroll
       for (int i = 0; i < a_passes; ++i) {
-        const int r = ld_row + i * rows_per_pass;  // (Staged: A by TMA, no row to copy)
-        a_src_row[i] = a_row_of(Staged ? -1 : a_source_row<Kind>(tile, r, g.row_to_slot, g.top_k), g.k);
+        const int r = ld_row + i * rows_per_pass;  // (a_tma_only: no row to copy)
+        a_src_row[i] = a_row_of(a_tma_only ? -1 : a_source_row<Kind>(tile, r, g.row_to_slot, g.top_k), g.k);
       }
       a_row a_scale_row[a_scale_copies];
 #pragma unroll
@@ -334,9 +360,9 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
         if (!a_tma) {
 #pragma unroll
           for (int i = 0; i < a_passes; ++i) {
-            // At 40 registers: the row's addresses formed anew per K tile (a few integer
-            // operations) rather than held across the loop, 64 bits each.
-            if constexpr (lean_producer) asm volatile("" : "+r"(a_src_row[i]));
+            // At 40 registers, or 8 rows a thread: the row's addresses formed anew per K tile (a
+            // few integer operations) rather than held across the loop, 64 bits each.
+            if constexpr (lean_producer || wide_producer) asm volatile("" : "+r"(a_src_row[i]));
             const bool ok = a_row_valid(a_src_row[i]);
             const int r = ld_row + i * rows_per_pass;
             cp_async_16(smem_address(sa + r * bk + st_chunk * 16),
@@ -364,7 +390,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
   // follows them (never stored: a wgmma row reads only its own A row), zeros past act's end.
   // With store warps one warp loads: TMA only.
   __device__ __forceinline__ static bool a_by_tma(const moe_gemm_fp8_params<T>& p) {
-    return Kind == moe_gemm_kind::down && (Staged || p.a_tma);
+    return Kind == moe_gemm_kind::down && (a_tma_only || p.a_tma);
   }
 
   // Thread 0: the TMA bytes a stage's full barrier expects (B, and A where it comes by TMA), with
@@ -426,13 +452,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
   }
 
   // Staged: store warp `warp` (0..store_warps-1) of the CTA walks the items as the consumers do
-  // and, for each with rows, waits for its sums in the staging tile, stores rows warp, warp +
-  // store_warps, .. of it (lane l: columns n0 + 8l .. + 7, 16 bytes; a reduction into the output
-  // where GEMM2 accumulates) and frees the tile.
-  __device__ static void store_rows(const moe_gemm_fp8_params<T>& p, const unsigned char* staging, barriers& bars,
-                                    work_item_ring* item_ring, int t) {
-    const moe_gemm_params<T>& g = p.g;
-    const int warp = t / 32, lane = t % 32;
+  // and, for each with rows, waits for the staging tile to hold them, calls store(tile, n0, rows)
+  // and frees the tile.
+  template <class Store>
+  __device__ __forceinline__ static void walk_staged_items(const moe_gemm_params<T>& g, barriers& bars,
+                                                           work_item_ring* item_ring, int lane, const Store& store) {
     const int tiles = *g.tile_count;
     items_t items = items_of(g, item_ring);
     const cta_place me = items.me;
@@ -442,19 +466,73 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
       const gpu::moe_m_tile tile = cluster_cta_rows<Cluster, bm>(g.tiles[item.m_tile], me.rank);
       const int rows = tile.row_end - tile.row_begin;
       if (rows <= 0) continue;  // (its consumers stage nothing either)
-      const int col = item.n_tile * out_cols + 8 * lane;
       mbarrier_wait(&bars.staged_full, phase);
       phase ^= 1u;
-      if (col < g.n) {  // n is a multiple of 128: 8 columns are wholly in or out
-        for (int r = warp; r < rows && r < bm; r += store_warps) {
-          T* dst = down_target<T>::at(g, tile.row_begin + r).dst + col;  // (the consumers applied its factor)
-          const uint4 v = *reinterpret_cast<const uint4*>(staging + r * staging_row_bytes + 16 * lane);
-          if (g.store == down_store::accumulate) atomic_add8(dst, {v.x, v.y, v.z, v.w});
-          else *reinterpret_cast<uint4*>(dst) = v;
-        }
-      }
+      store(tile, item.n_tile * out_cols, rows < bm ? rows : bm);
       __syncwarp();
       if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.staged_empty);
+    }
+  }
+
+  // Staged GEMM2: store warp `warp` stores rows warp, warp + store_warps, .. of each item's sums
+  // (lane l: columns n0 + 8l .. + 7, 16 bytes; a reduction into the output where GEMM2 accumulates).
+  __device__ static void store_rows(const moe_gemm_fp8_params<T>& p, const unsigned char* staging, barriers& bars,
+                                    work_item_ring* item_ring, int t) {
+    const moe_gemm_params<T>& g = p.g;
+    const int warp = t / 32, lane = t % 32;
+    walk_staged_items(g, bars, item_ring, lane, [&](const gpu::moe_m_tile& tile, int n0, int rows) {
+      const int col = n0 + 8 * lane;
+      if (col >= g.n) return;  // n is a multiple of 128: 8 columns are wholly in or out
+      for (int r = warp; r < rows; r += store_warps) {
+        T* dst = down_target<T>::at(g, tile.row_begin + r).dst + col;  // (the consumers applied its factor)
+        const uint4 v = *reinterpret_cast<const uint4*>(staging + r * staging_row_bytes + 16 * lane);
+        if (g.store == down_store::accumulate) atomic_add8(dst, {v.x, v.y, v.z, v.w});
+        else *reinterpret_cast<uint4*>(dst) = v;
+      }
+    });
+  }
+
+  // Staged GEMM1: store warp `warp` quantizes rows warp, warp + store_warps, .. of each item's f32
+  // act (lane l: columns n0 + 4l .. + 3 of the row's one group, n being a multiple of 128; the
+  // row's scale from lane 0).
+  __device__ static void store_act_rows(const moe_gemm_fp8_params<T>& p, const unsigned char* staging,
+                                        barriers& bars, work_item_ring* item_ring, int t) {
+    const moe_gemm_params<T>& g = p.g;
+    const int warp = t / 32, lane = t % 32;
+    const int scales_per_row = g.n / fp8_group;
+    walk_staged_items(g, bars, item_ring, lane, [&](const gpu::moe_m_tile& tile, int n0, int rows) {
+      for (int r = warp; r < rows; r += store_warps) {
+        const float4 v = *reinterpret_cast<const float4*>(staging + r * staging_row_bytes + 16 * lane);
+        const float f[4] = {v.x, v.y, v.z, v.w};
+        const fp8_lane_quad q = quantize_warp_group(f);
+        const std::int64_t row = tile.row_begin + r;
+        *reinterpret_cast<std::uint32_t*>(p.act + row * g.n + n0 + 4 * lane) = q.packed;
+        if (lane == 0) p.act_scale[row * scales_per_row + n0 / fp8_group] = q.scale;
+      }
+    });
+  }
+
+  // Staged GEMM1: the warpgroup's act values (act: a callable of activation_math.cuh) of the
+  // tile's rows, its block's 64 columns (64 group + ..), in f32 into the staging tile: the values
+  // store_act quantizes, formed the same way.
+  template <class Act>
+  __device__ __forceinline__ static void stage_act(const moe_gemm_params<T>& g, const Act& act,
+                                                   const gpu::moe_m_tile& tile, unsigned char* staging, int group,
+                                                   int warp, int lane, const float (&acc)[64 * blocks]) {
+    static_assert(halves == 2 && blocks == 1, "the gated GEMM1 on 64-row tiles");
+    const int rows = tile.row_end - tile.row_begin;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * warp + lane / 4 + 8 * h;
+      if (r >= rows) continue;
+      const float weight = g.input_weights != nullptr ? g.input_weights[g.row_to_slot[tile.row_begin + r]] : 1.0f;
+      unsigned char* dst = staging + r * staging_row_bytes + 4 * (64 * group + 2 * (lane % 4));
+      // Register 4j + 2h + q: the gate row (j < 8) or up row (j + 8) of act column 8j + 2(lane % 4) + q.
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        *reinterpret_cast<float2*>(dst + 32 * j) =
+            make_float2(act(acc[4 * j + 2 * h] * weight, acc[4 * (j + 8) + 2 * h] * weight),
+                        act(acc[4 * j + 2 * h + 1] * weight, acc[4 * (j + 8) + 2 * h + 1] * weight));
     }
   }
 
@@ -580,7 +658,11 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
         // The store warps have stored the last item's sums (a fresh barrier counts as having
         // completed the phase before its first).
         mbarrier_wait(&bars.staged_empty, staged_phase ^ 1u);
-        stage_rows(g, tile, ring + stages * stage_bytes, first_block, warp, lane, acc);
+        unsigned char* staging = ring + stages * stage_bytes;
+        if constexpr (Kind == moe_gemm_kind::down) stage_rows(g, tile, staging, first_block, warp, lane, acc);
+        else
+          with_activation(g.act, true,
+                          [&](const auto& act) { stage_act(g, act, tile, staging, group, warp, lane, acc); });
         __syncwarp();
         if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.staged_full);
         staged_phase ^= 1u;
@@ -903,7 +985,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, Staged> {
 // exists only in sm_90a code; elsewhere it traps (the launch code checks first).
 template <class T, moe_gemm_kind Kind, int Cluster, int BlockM, gpu::fp8_k_loop Loop = gpu::fp8_k_loop::plain,
           bool HandOut = false, bool Staged = false>
-__global__ void __launch_bounds__(wgmma_fp8_shape<BlockM, Staged>::threads, 1)
+__global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
     moe_grouped_gemm_wgmma_fp8_kernel(const moe_gemm_fp8_params<T> p, const __grid_constant__ CUtensorMap a_map,
                                       const __grid_constant__ CUtensorMap b_map) {
 #if MOERUNNER_WGMMA_COMPILED

@@ -104,6 +104,7 @@ class cuda_fused_fp8_policy {
   void set_raster_band(std::optional<int> band) noexcept { settings_.raster_band = band; }
   void set_down_k_splits(std::optional<int> splits) noexcept { settings_.down_k_splits = splits; }
   void set_up_k_splits(std::optional<int> splits) noexcept { settings_.up_k_splits = splits; }
+  void set_staged_up(std::optional<bool> on) noexcept { settings_.staged_up = on; }
   void set_expert_bands(std::optional<bool> on) noexcept { settings_.expert_bands = on; }
   void set_down_rows(std::optional<bool> on) noexcept { settings_.down_rows = on; }
   void set_down_a_tma(std::optional<bool> on) noexcept { settings_.down_a_tma = on; }
@@ -301,16 +302,26 @@ class cuda_fused_fp8_policy {
       // kernel: the GEMMs read the schedule before their wait (load_first_weights).
       const bool gemm1_dependent = pl.dependent_gemms && d.hidden_states.type != dtype::f8_e4m3;
       const bool gemm2_dependent = pl.dependent_gemms;
-      const auto gemms = [&]<int Cluster, int BlockM, gpu::fp8_k_loop Loop>() {
+      // Store warps where the plan takes them (64-row CTAs alone or in pairs: GEMM1 where gated,
+      // GEMM2), with the plain K loop whatever the other GEMM's.
+      const auto gemm1 = [&]<int Cluster, int BlockM, gpu::fp8_k_loop Loop>() {
+        if constexpr (BlockM == gpu::fp8_block_m && Cluster <= 2) {
+          if (pl.staged_up) {
+            gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up, Cluster, BlockM, gpu::fp8_k_loop::plain, true>(
+                g1, w13, experts, schedule, dev, stream, gemm1_dependent);
+            return;
+          }
+        }
         if (cfg_.is_gated())
           gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::gate_up, Cluster, BlockM, Loop>(
               g1, w13, experts, schedule, dev, stream, gemm1_dependent);
         else
           gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::up_only, Cluster, BlockM, Loop>(
               g1, w13, experts, schedule, dev, stream, gemm1_dependent);
+      };
+      const auto gemms = [&]<int Cluster, int BlockM, gpu::fp8_k_loop Loop>() {
+        gemm1.template operator()<Cluster, BlockM, Loop>();
         if (pl.up_k_splits > 1) gpu::finish_up_parts_fp8(g1, cfg_.is_gated(), schedule, stream);
-        // Store warps where the plan takes them (64-row CTAs alone or in pairs), with the plain
-        // K loop whatever GEMM1's.
         if constexpr (BlockM == gpu::fp8_block_m && Cluster <= 2) {
           if (pl.staged_down) {
             gpu::launch_moe_gemm_wgmma_fp8<T, moe_gemm_kind::down, Cluster, BlockM, gpu::fp8_k_loop::plain, true>(
