@@ -185,7 +185,9 @@ struct fp8_plan {
   // only where asked: its consumers leave each item's f32 act (after the activation) in a staging
   // tile and go on to the next item, two warps of the producer warpgroup quantize and store it
   // (the same bits as the consumers' own epilogue), and the other two load the stages (four);
-  // plain K loop whatever the plan's (with the overlapped one the consumers spilled).
+  // plain K loop whatever the plan's (with the overlapped one the consumers spilled). On an H200
+  // it measured 15-23% slower than the plain loop at prefill, within 2% at decode: GEMM1's A
+  // rows, gathered by cp.async, then have half the producer threads (bench/NOTES.md, round 28).
   bool staged_up = false;
   // wgmma: GEMM2 (and GEMM1 where the input rows are quantized just before it) launched as the
   // previous kernel's programmatic dependent, only where asked: its CTAs start on the SMs that
@@ -198,8 +200,10 @@ struct fp8_plan {
   // up_k_splits ranges, each range's f32 gate and up sums written as parts, and a kernel after it
   // that sums an item's parts in split order and applies the activation and act's quantization
   // (GEMM1's epilogue, moved). Meant for decode, where GEMM1's items fill few waves (Qwen3-30B-A3B
-  // at 8 tokens: 300 items of 16 K tiles on 132 CTAs, the last wave 36 CTAs). Not measured yet
-  // (bench/NOTES.md, round 27).
+  // at 8 tokens: 300 items of 16 K tiles on 132 CTAs, the last wave 36 CTAs); on an H200 it
+  // measured within 2% there and slower nearly everywhere else (Mixtral-8x7B at 64 tokens 2.1x:
+  // the parts kernel runs one CTA per schedule tile), so the plan never takes it (bench/NOTES.md,
+  // round 28).
   int up_k_splits = 1;
   bool combine_kernel = false;  // a combine kernel sums GEMM2's rows or parts per token afterwards
   bool clear_in_gemm1 = false;  // GEMM1 zeroes the output GEMM2 adds or scatters into

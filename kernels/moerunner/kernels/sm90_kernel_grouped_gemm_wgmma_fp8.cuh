@@ -50,7 +50,8 @@
 // stage, in every variant; the stage's full and empty barriers order both ways, and the reads'
 // values are used before the warp's one-lane release: bench/NOTES.md, round 20. A diagnostic
 // build with MOERUNNER_RELEASE_ALL_LANES, meson setup -Dcuda_args=-DMOERUNNER_RELEASE_ALL_LANES,
-// has every consumer lane release the stage, to tell which of the two racecheck does not follow.)
+// has every consumer lane release the stage, to tell which of the two racecheck does not follow;
+// there every lane of the consumer and store warps also arrives on the staging tile's barriers.)
 //
 // Store warps (Staged, GEMM2 on 64-row CTAs alone or in pairs, plain K loop, A by TMA; where
 // GEMM2's K loop is short, gpu::fp8_staged_max_k_tiles): warp 0 of the producer warpgroup alone
@@ -183,7 +184,8 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, wgmma_fp8_staging_row_bytes(
   static constexpr bool a_tma_only = Staged && Kind == moe_gemm_kind::down;
   static constexpr int load_threads = !Staged ? producer_threads : a_tma_only ? 32 : 64;
   static constexpr int store_warps = (producer_threads - load_threads) / 32;
-  // Lanes of a consumer warp that release a stage (see MOERUNNER_RELEASE_ALL_LANES above).
+  // Lanes of a consumer warp that release a stage, and of a consumer or store warp that arrive on
+  // the staging tile's barriers (see MOERUNNER_RELEASE_ALL_LANES above).
 #if defined(MOERUNNER_RELEASE_ALL_LANES)
   static constexpr int release_lanes = 32;
 #else
@@ -470,7 +472,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, wgmma_fp8_staging_row_bytes(
       phase ^= 1u;
       store(tile, item.n_tile * out_cols, rows < bm ? rows : bm);
       __syncwarp();
-      if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.staged_empty);
+      if (lane < release_lanes) cuda::ptx::mbarrier_arrive(&bars.staged_empty);
     }
   }
 
@@ -664,7 +666,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, wgmma_fp8_staging_row_bytes(
           with_activation(g.act, true,
                           [&](const auto& act) { stage_act(g, act, tile, staging, group, warp, lane, acc); });
         __syncwarp();
-        if (lane == 0) cuda::ptx::mbarrier_arrive(&bars.staged_full);
+        if (lane < release_lanes) cuda::ptx::mbarrier_arrive(&bars.staged_full);
         staged_phase ^= 1u;
       } else if constexpr (Kind == moe_gemm_kind::down) {
 #pragma unroll
@@ -1004,8 +1006,8 @@ __global__ void __launch_bounds__(wgmma_fp8_shape<BlockM>::threads, 1)
     }
     if constexpr (HandOut) init_work_item_ring<Cluster>(item_ring, tile_t::item_readers);
     if constexpr (Staged) {
-      cuda::ptx::mbarrier_init(&bars.staged_full, tile_t::consumer_warps);
-      cuda::ptx::mbarrier_init(&bars.staged_empty, tile_t::store_warps);
+      cuda::ptx::mbarrier_init(&bars.staged_full, tile_t::consumer_warps * tile_t::release_lanes);
+      cuda::ptx::mbarrier_init(&bars.staged_empty, tile_t::store_warps * tile_t::release_lanes);
     }
     cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(&b_map) : "memory");
