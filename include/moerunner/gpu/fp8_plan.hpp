@@ -186,7 +186,7 @@ struct fp8_plan {
   // tile and go on to the next item, two warps of the producer warpgroup quantize and store it
   // (the same bits as the consumers' own epilogue), and the other two load the stages (four);
   // plain K loop whatever the plan's (with the overlapped one the consumers spilled). On an H200
-  // it measured 15-23% slower than the plain loop at prefill, within 2% at decode: GEMM1's A
+  // it measured 15-23% slower than the plain loop at prefill, within 2.5% at decode: GEMM1's A
   // rows, gathered by cp.async, then have half the producer threads (bench/NOTES.md, round 28).
   bool staged_up = false;
   // wgmma: GEMM2 (and GEMM1 where the input rows are quantized just before it) launched as the
