@@ -128,12 +128,7 @@ struct moe_gemm_wgmma {
       const int row = halves == 2 ? n0 : n0 + j * box_rows, half = halves == 2 ? j : 0;
       const bool swapped = halves == 2 && interleaved;
       const std::int32_t coords[4] = {k0, swapped ? half : row, swapped ? row : half, expert};
-      unsigned char* dst = sb + j * box_rows * bk * 2;
-      if constexpr (cluster == 1)
-        cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, map, coords, bar);
-      else
-        cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, map, coords, bar,
-                                        static_cast<std::uint16_t>((1u << cluster) - 1));
+      tma_load_box<cluster>(sb + j * box_rows * bk * 2, map, coords, bar);
     }
   }
 
@@ -160,8 +155,7 @@ struct moe_gemm_wgmma {
         cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
                                              &bars.full[stage], static_cast<std::uint32_t>(a_bytes + b_bytes));
         const std::int32_t a_coords[4] = {kt * bk, tile.row_begin, 0, 0};
-        cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sa, a_map, a_coords,
-                                        &bars.full[stage]);
+        tma_load_box<1>(sa, a_map, a_coords, &bars.full[stage]);
         load_b(b_map, &bars.full[stage], sa + a_bytes, kt * bk, n0, tile.expert, me.rank, p.interleaved);
       }
       items.publish();

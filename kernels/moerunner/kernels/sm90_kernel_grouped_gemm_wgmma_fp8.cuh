@@ -352,8 +352,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, wgmma_fp8_staging_row_bytes(
           }
           if (a_tma) {
             const std::int32_t a_coords[4] = {kt * bk, tile.row_begin, 0, 0};
-            cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, sa, a_map, a_coords,
-                                            &bars.full[stage]);
+            tma_load_box<1>(sa, a_map, a_coords, &bars.full[stage]);
           }
         }
         const int kcol = kt * bk + ld_chunk * 16;
@@ -415,12 +414,7 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, wgmma_fp8_staging_row_bytes(
       box_origin(b, n0, col, half);
       const bool swapped = halves == 2 && g.interleaved;
       const std::int32_t coords[4] = {kt * bk, swapped ? half : col, swapped ? col : half, expert};
-      unsigned char* dst = sa + a_bytes + b * box_rows * bk;
-      if constexpr (Cluster == 1)
-        cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, b_map, coords, full);
-      else
-        cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, b_map, coords, full,
-                                        static_cast<std::uint16_t>((1u << Cluster) - 1));
+      tma_load_box<Cluster>(sa + a_bytes + b * box_rows * bk, b_map, coords, full);
     }
   }
 

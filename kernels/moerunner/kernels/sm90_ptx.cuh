@@ -208,6 +208,19 @@ __device__ __forceinline__ void cp_async_arrive_noinc(std::uint64_t* bar) {
                : "memory");
 }
 
+// One box of a 4D tensor map (coordinates innermost first) into shared memory at `dst`, its bytes
+// counted on `bar`; with Cluster > 1 multicast into the same offset, and onto the same barrier, of
+// every CTA of the cluster.
+template <int Cluster>
+__device__ __forceinline__ void tma_load_box(void* dst, const void* map, const std::int32_t (&coords)[4],
+                                             std::uint64_t* bar) {
+  if constexpr (Cluster == 1)
+    cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, map, coords, bar);
+  else
+    cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, map, coords, bar,
+                                    static_cast<std::uint16_t>((1u << Cluster) - 1));
+}
+
 // With MOERUNNER_BARRIER_WATCHDOG defined (a debugging build: meson setup
 // -Dcuda_args=-DMOERUNNER_BARRIER_WATCHDOG), a wait whose phase has not completed after 2^33
 // cycles (seconds) prints the barrier's shared-memory address, the parity, the block, thread and
