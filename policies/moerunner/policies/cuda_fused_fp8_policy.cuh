@@ -91,8 +91,8 @@ class cuda_fused_fp8_policy {
   // GEMMs' K loop or raster band (or bands of one expert's tiles), their work items handed out at
   // run time, GEMM2's K splits, its rows for the combine kernel against its reductions into the
   // output, its A rows by TMA against cp.async, its sums stored by store warps, dependent launches
-  // of the GEMMs, or GEMM1's K splits (unset: the plan's rules), for measuring one against the
-  // other (gpu::fp8_settings).
+  // of the GEMMs, GEMM1's K splits or GEMM1's act quantized by store warps (unset: the plan's
+  // rules), for measuring one against the other (gpu::fp8_settings).
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
   void set_quads(std::optional<bool> on) noexcept { settings_.quads = on; }
