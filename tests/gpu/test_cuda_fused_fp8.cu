@@ -138,22 +138,7 @@ struct fp8_on_device {
       : x(p.base.x), w13(p.w13), w2(p.w2), s13(p.s13), s2(p.s2), weights(p.base.weights), ids(p.base.ids),
         runner("cuda_fused_fp8", p.base.cfg) {
     runner.visit([&](auto& core) {
-      if constexpr (requires { core.set_stream_gemms(forced.stream); }) {
-        core.set_stream_gemms(forced.stream);
-        core.set_pairs(forced.pairs);
-        core.set_quads(forced.quads);
-        core.set_tall(forced.tall);
-        core.set_k_loop(forced.k_loop);
-        core.set_raster_band(forced.raster_band);
-        core.set_hand_out(forced.hand_out);
-        core.set_down_k_splits(forced.down_k_splits);
-        core.set_expert_bands(forced.expert_bands);
-        core.set_down_rows(forced.down_rows);
-        core.set_down_a_tma(forced.down_a_tma);
-        core.set_staged_down(forced.staged_down);
-        core.set_dependent_gemms(forced.dependent_gemms);
-        core.set_up_k_splits(forced.up_k_splits);
-      }
+      if constexpr (requires { core.set_settings(forced); }) core.set_settings(forced);
     });
     if (p.prequantized) {
       xq = mr::test::device_tensor(p.xq);
@@ -258,6 +243,11 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
       !forced.pairs.value_or(true) && !forced.tall.value_or(false) && !forced.hand_out.value_or(false))
     CHECK(g.runner.describe(s.m).find("GEMM1 in " + std::to_string(std::min(*forced.up_k_splits, s.h / 128)) +
                                       " K splits") != std::string::npos);
+  // GEMM1's store warps where forced on the gated GEMM1's 64-row CTAs, alone or in pairs.
+  if (forced.staged_up.value_or(false) && !forced.stream.value_or(false) && s.m > 0 && o.gated &&
+      !forced.tall.value_or(false) && !forced.quads.value_or(false) && !forced.hand_out.value_or(false) &&
+      forced.up_k_splits.value_or(1) == 1)
+    CHECK(g.runner.describe(s.m).find("GEMM1's act quantized by store warps") != std::string::npos);
   if (forced.dependent_gemms && !forced.stream.value_or(false) && s.m > 0)
     CHECK((g.runner.describe(s.m).find("dependent launches") != std::string::npos) == *forced.dependent_gemms);
   if (forced.down_a_tma && !forced.stream.value_or(false) && s.m > 0)
