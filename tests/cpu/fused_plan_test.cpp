@@ -510,6 +510,35 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs, fours and 128-row CTAs forced on o
   CHECK(kept.cluster_m == 1);
   CHECK(forced(inv, 4096, {.tall = true}).tile == g::fp8_tile::m64);
   CHECK(forced(inv, 4096, {.quads = true}).tile == g::fp8_tile::m64);
+  CHECK(forced(inv, 8, {.stream = false, .narrow = true}).tile == g::fp8_tile::m64);
+  // Narrow tiles only when asked, before fours, pairs and 128-row CTAs: N by the active experts'
+  // average rows, the plain K loop in fixed turns, GEMM2's A by cp.async, no store warps.
+  const g::fp8_plan narrow8 = forced(qwen3(), 8, {.stream = false, .narrow = true});  // 64 slots on <= 64 experts
+  CHECK(narrow8.tile == g::fp8_tile::narrow);
+  CHECK(narrow8.schedule_block_m == 8);
+  CHECK(narrow8.cluster_m == 1);
+  CHECK(narrow8.k_loop == g::fp8_k_loop::plain);
+  CHECK_FALSE(narrow8.down_a_tma);
+  CHECK(narrow8.describe().find("wgmma e4m3 narrow") != std::string::npos);
+  CHECK(narrow8.describe().find("schedule tiles of 8 rows") != std::string::npos);
+  CHECK(forced(mixtral(), 64, {.stream = false, .narrow = true}).schedule_block_m == 16);   // 128 slots on 8
+  CHECK(forced(mixtral(), 4096, {.stream = false, .narrow = true}).schedule_block_m == 32);  // capped
+  const g::fp8_plan narrow_asked_more = forced(mixtral(), 64, {.stream = false, .pairs = true, .quads = true,
+                                                               .tall = true, .hand_out = true, .staged_down = true,
+                                                               .staged_up = true, .up_k_splits = 2, .narrow = true});
+  CHECK(narrow_asked_more.tile == g::fp8_tile::narrow);
+  CHECK_FALSE(narrow_asked_more.hand_out);
+  CHECK_FALSE(narrow_asked_more.staged_down);
+  CHECK_FALSE(narrow_asked_more.staged_up);
+  CHECK(narrow_asked_more.up_k_splits == 1);
+  CHECK(forced(qwen3(), 1, {.narrow = true}).stream);  // the stream GEMMs first, unless forced off
+  CHECK(fp8_plan_of(qwen3(), 8).tile != g::fp8_tile::narrow);  // not by the rules
+  CHECK(g::fp8_narrow_tokens(8, 1) == 8);
+  CHECK(g::fp8_narrow_tokens(9, 1) == 16);
+  CHECK(g::fp8_narrow_tokens(31, 2) == 16);  // 16 rows each, rounded up
+  CHECK(g::fp8_narrow_tokens(33, 2) == 32);
+  CHECK(g::fp8_narrow_tokens(1000, 2) == 32);
+  CHECK(g::fp8_narrow_tokens(0, 0) == 8);
   // GEMM2's K splits where the plan may split, at most its K tiles; never in batch-invariant runs.
   const g::fp8_plan split3 = forced(qwen3(), 8, {.stream = false, .down_k_splits = 3});
   CHECK(split3.down_k_splits == 3);

@@ -211,6 +211,8 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
     CHECK(g.runner.describe(s.m).find("wgmma e4m3 m64x4") != std::string::npos);
   else if (forced.pairs.value_or(false) && s.m > 0)
     CHECK(g.runner.describe(s.m).find("wgmma e4m3 m64x2") != std::string::npos);
+  if (forced.narrow.value_or(false) && !forced.stream.value_or(false) && s.m > 0)
+    CHECK(g.runner.describe(s.m).find("wgmma e4m3 narrow") != std::string::npos);
   if (forced.tall.value_or(false) && !forced.pairs.value_or(false) && s.m > 0)
     CHECK(g.runner.describe(s.m).find("wgmma e4m3 m128") != std::string::npos);
   if (forced.expert_bands.value_or(false) && !forced.stream.value_or(false) && s.m > 0)
@@ -677,6 +679,43 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     stream_case({3, 16, 4, 1024, 2048}, {}, false, mr::fp8_weight_scaling::per_channel);
     stream_case({3, 16, 4, 1024, 2048}, {}, false, mr::fp8_weight_scaling::per_tensor);
   }
+  SUBCASE("narrow decode tiles") {
+    // Forced on (stream GEMMs off): 8, 16 and 32 tokens per tile by the average rows per active
+    // expert, experts with more rows than a tile (several tiles each), every activation, layout,
+    // combine mode and weight format, GEMM2's K split into the output and into f32 parts.
+    const auto narrow_case = [&](const shape& sh, const options& o, bool preq = false,
+                                 mr::fp8_weight_scaling sc = mr::fp8_weight_scaling::block128,
+                                 mr::gpu::fp8_settings f = {}) {
+      f.stream = false;
+      f.narrow = true;
+      worst = std::max(worst, check_case(sh, bf16, o, rng, preq, sc, f));
+    };
+    for (int m : {1, 3, 8, 20, 64, 130}) narrow_case({m, 8, 2, 512, 384}, {});  // I % 256 = 128
+    narrow_case({64, 64, 8, 256, 256}, {});
+    narrow_case({40, 128, 6, 256, 128}, {});  // most experts get no rows
+    narrow_case({24, 8, 2, 384, 256}, {.ids = ids_kind::skewed});
+    narrow_case({50, 8, 2, 256, 256}, {.ids = ids_kind::one_expert});  // 100 rows of one expert: 4 tiles
+    narrow_case({8, 16, 4, 384, 384}, {.gated = false});               // H, I % 256 = 128
+    narrow_case({8, 16, 4, 256, 256}, {.act = mr::activation_kind::gelu});
+    narrow_case({8, 16, 4, 256, 256}, {.act = mr::activation_kind::swiglu_clamped});
+    narrow_case({8, 16, 4, 256, 256}, {.interleaved = true});
+    narrow_case({12, 16, 1, 256, 256}, {.weight_on_input = true});
+    narrow_case({8, 16, 4, 256, 256}, {.deterministic = true});
+    narrow_case({8, 16, 4, 256, 256}, {.ids = ids_kind::filtered, .no_combine = true});
+    narrow_case({8, 16, 4, 256, 256}, {.inplace = true});
+    narrow_case({8, 16, 4, 256, 256}, {.ids = ids_kind::all_filtered});
+    narrow_case({8, 16, 4, 256, 256}, {.scaling = 2.5f});
+    narrow_case({5, 16, 4, 256, 256}, {}, true);
+    narrow_case({4, 8, 2, 1024, 2048}, {});  // per-token bound applies
+    narrow_case({4, 8, 2, 1024, 2048}, {}, false, mr::fp8_weight_scaling::block128, {.down_k_splits = 3});
+    narrow_case({4, 8, 2, 1024, 2048}, {.deterministic = true}, false, mr::fp8_weight_scaling::block128,
+                {.down_k_splits = 3});  // f32 parts, summed by the combine kernel
+    for (mr::fp8_weight_scaling sc : {mr::fp8_weight_scaling::per_tensor, mr::fp8_weight_scaling::per_channel}) {
+      narrow_case({6, 8, 2, 1024, 2048}, {}, false, sc);
+      narrow_case({8, 16, 4, 256, 384}, {.gated = false}, false, sc);
+      narrow_case({8, 16, 4, 256, 256}, {.interleaved = true}, false, sc);
+    }
+  }
   SUBCASE("per-tensor and per-channel weight scales") {
     for (mr::fp8_weight_scaling sc : {mr::fp8_weight_scaling::per_tensor, mr::fp8_weight_scaling::per_channel}) {
       worst = std::max(worst, check_case({64, 16, 4, 384, 256}, bf16, {}, rng, false, sc));  // H % 256 = 128
@@ -795,6 +834,11 @@ TEST_CASE("fp8: deterministic bits across runs and under graph replay") {
       fp8_on_device dep(p, {.stream = false, .dependent_gemms = true});
       CHECK(std::memcmp(first.view.data, dep.run_once(p).view.data, first.view.bytes()) == 0);
       replays_match(dep, p, first);
+      // The narrow tiles: the same bits run after run and replayed.
+      fp8_on_device narrow(p, {.stream = false, .narrow = true});
+      const host_tensor narrow_first = narrow.run_once(p);
+      CHECK(std::memcmp(narrow_first.view.data, narrow.run_once(p).view.data, narrow_first.view.bytes()) == 0);
+      replays_match(narrow, p, narrow_first);
       // GEMM1's store warps quantize the values its consumers would have, by the same rule.
       for (const bool paired : {false, true}) {
         CAPTURE(paired);

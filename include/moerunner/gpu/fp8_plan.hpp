@@ -24,9 +24,21 @@ namespace moerunner::gpu {
 // one CTA (each consumer warpgroup on 64 of them and all 256 B rows).
 inline constexpr int fp8_group_size = fp8_block_quant_info::group;
 inline constexpr int fp8_block_m = 64, fp8_down_cols = 256, fp8_block_k = fp8_group_size;
-enum class fp8_tile : std::uint8_t { m64, m64x2, m64x4, m128 };
+enum class fp8_tile : std::uint8_t { m64, m64x2, m64x4, m128, narrow };
 inline constexpr const char* fp8_tile_name(fp8_tile t) {
-  return t == fp8_tile::m64 ? "m64" : t == fp8_tile::m64x2 ? "m64x2" : t == fp8_tile::m64x4 ? "m64x4" : "m128";
+  return t == fp8_tile::m64     ? "m64"
+         : t == fp8_tile::m64x2 ? "m64x2"
+         : t == fp8_tile::m64x4 ? "m64x4"
+         : t == fp8_tile::m128  ? "m128"
+                                : "narrow";
+}
+// Narrow tiles (decode): 256 weight rows as the wgmma's M and a tile's 8, 16 or 32 tokens as its
+// N (kernels::wgmma_fp8_narrow_shape), so that a K tile's tensor work follows the tokens instead
+// of a 64-row tile's; the schedule's tiles then hold N rows. N is the smallest that holds the
+// active experts' average rows (at most 32). Only where asked (fp8_settings::narrow) until measured.
+inline constexpr int fp8_narrow_tokens(std::int64_t slots, std::int64_t active_experts) {
+  const std::int64_t avg = active_experts > 0 ? (slots + active_experts - 1) / active_experts : 1;
+  return avg <= 8 ? 8 : avg <= 16 ? 16 : 32;
 }
 // Pairs where the active experts average at least 96 rows. A pair draws 0.6x the L2 bytes per
 // multiply-add of a 64-row CTA (each weight tile multicast into both: 48 KB per 4.2 M MAC
@@ -154,6 +166,9 @@ struct fp8_settings {
   // The wgmma GEMM1's K splits (fp8_plan::up_k_splits; >= 1, at most its K tiles) where it may
   // split (64-row CTAs alone in fixed turns, not batch-invariant runs); unset: 1.
   std::optional<int> up_k_splits = std::nullopt;
+  // Narrow wgmma tiles (fp8_tile::narrow; before fours, pairs and 128-row CTAs) wherever the
+  // stream GEMMs are not taken, except batch-invariant runs; unset: never.
+  std::optional<bool> narrow = std::nullopt;
 };
 
 struct fp8_plan {
@@ -261,6 +276,9 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   p.schedule_in_gemms = p.stream && slots <= local_plan_max_slots;
   if (p.stream) {
     p.schedule_block_m = stream_gemm_fp8_policy::tuning.schedule_block_m();
+  } else if (!cfg.batch_invariant() && active > 0 && settings.narrow.value_or(false)) {
+    p.tile = fp8_tile::narrow;
+    p.schedule_block_m = fp8_narrow_tokens(slots, active);
   } else if (!cfg.batch_invariant() && active > 0 && settings.quads.value_or(false)) {
     p.tile = fp8_tile::m64x4;
     p.schedule_block_m = fp8_quad_block_m;
@@ -276,7 +294,8 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   }
   if (!p.stream && !cfg.batch_invariant()) {
     p.k_loop = settings.k_loop.value_or(settings.hand_out.value_or(false) ? fp8_k_loop::plain : fp8_k_loop::overlap);
-    if (p.tile == fp8_tile::m128 || p.tile == fp8_tile::m64x4) p.k_loop = fp8_k_loop::plain;
+    if (p.tile == fp8_tile::m128 || p.tile == fp8_tile::m64x4 || p.tile == fp8_tile::narrow)
+      p.k_loop = fp8_k_loop::plain;
   }
   // The band orders the work items only (each item's sums are the same in any order).
   if (settings.raster_band) {
@@ -315,7 +334,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   if (!p.stream && p.tile == fp8_tile::m64 && !p.hand_out && !cfg.batch_invariant() && num_tokens > 0)
     p.up_k_splits = std::min(settings.up_k_splits.value_or(1), (cfg.hidden_size() + fp8_block_k - 1) / fp8_block_k);
   p.expert_bands = !p.stream && num_tokens > 0 && settings.expert_bands.value_or(false);
-  p.down_a_tma = !p.stream && num_tokens > 0 && settings.down_a_tma.value_or(true);
+  p.down_a_tma = !p.stream && p.tile != fp8_tile::narrow && num_tokens > 0 && settings.down_a_tma.value_or(true);
   p.staged_down = p.down_a_tma && (p.tile == fp8_tile::m64 || p.tile == fp8_tile::m64x2) && !p.hand_out &&
                   p.down != down_store::partials &&
                   settings.staged_down.value_or(!cfg.batch_invariant() &&

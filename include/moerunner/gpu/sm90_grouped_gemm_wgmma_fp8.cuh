@@ -73,6 +73,20 @@ void finish_up_parts_fp8(const kernels::moe_gemm_fp8_params<T>& g1, bool gated, 
   MOE_CUDA_CHECK_LAUNCH("finish_up_parts_kernel");
 }
 
+// What every fp8 wgmma launch needs (wide or narrow tiles): sm_90a code, n and k whole scale
+// blocks, interleaved gate/up rows only in the gated GEMM1.
+template <kernels::moe_gemm_kind Kind, class T>
+void check_wgmma_fp8_gemm(const kernels::moe_gemm_params<T>& g, const device_facts& dev, const char* where) {
+  if (!wgmma_gemm_available(dev))
+    throw unsupported_error(std::string(where) + ": the fp8 GEMMs need code compiled for sm_90a; this device (sm_" +
+                            std::to_string(dev.arch) + ") runs code compiled for sm_" + std::to_string(dev.code_arch) +
+                            " without it");
+  MOE_EXPECT(g.k > 0 && g.k % kernels::fp8_group == 0 && g.n > 0 && g.n % kernels::fp8_group == 0, where,
+             "the GEMM's n and k must be positive multiples of 128 (the scale blocks)");
+  MOE_EXPECT(!g.interleaved || Kind == kernels::moe_gemm_kind::gate_up, where,
+             "only the gated GEMM1 reads interleaved gate/up rows");
+}
+
 // Sets the kernel's dynamic shared memory limit once per device, checks that a CTA (a cluster of
 // them) fits, and returns how many run at once: sm_count CTAs, or the clusters resident at once
 // (a cluster needs SMs of one GPC, which may leave some SMs out).
@@ -125,15 +139,8 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
   using tile_t = kernels::moe_gemm_wgmma_fp8<T, Kind, Cluster, BlockM, Loop, false, Staged>;
   kernels::moe_gemm_params<T>& g = p.g;
   MOE_EXPECT(schedule.block_m == tile_t::schedule_block_m, where, "the tile schedule was built for another block_m");
-  if (!wgmma_gemm_available(dev))
-    throw unsupported_error(std::string(where) + ": the fp8 GEMMs need code compiled for sm_90a; this device (sm_" +
-                            std::to_string(dev.arch) + ") runs code compiled for sm_" + std::to_string(dev.code_arch) +
-                            " without it");
-  MOE_EXPECT(g.k > 0 && g.k % kernels::fp8_group == 0 && g.n > 0 && g.n % kernels::fp8_group == 0, where,
-             "the GEMM's n and k must be positive multiples of 128 (the scale blocks)");
+  check_wgmma_fp8_gemm<Kind>(g, dev, where);
   if (schedule.capacity == 0) return;
-  MOE_EXPECT(!g.interleaved || Kind == kernels::moe_gemm_kind::gate_up, where,
-             "only the gated GEMM1 reads interleaved gate/up rows");
   const CUtensorMap map =
       weight_tensor_map(b, g.b_rows_per_expert, g.n, g.k, num_experts, g.interleaved, tile_t::box_rows);
   // GEMM2's act rows [a_rows, k] as one expert's rows of a weight-shaped map: boxes of a CTA's

@@ -147,6 +147,43 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_fresh(float (&d)[64], std:
 
 #undef MOERUNNER_WGMMA_M64N128K32_E4M3
 
+// One m64nNk32 wgmma on e4m3 A and B (K-major in shared memory) for N = 8, 16 or 32 (N / 2
+// accumulators per thread, the same D layout as the wider shapes): D = A*B + (scale_d ? D : 0).
+// The narrow decode tiles put 64 weight rows in A and N tokens in B.
+template <int N>
+__device__ __forceinline__ void wgmma_m64nk32_e4m3(float (&d)[N / 2], std::uint64_t desc_a, std::uint64_t desc_b,
+                                                   int scale_d) {
+  static_assert(N == 8 || N == 16 || N == 32, "narrow wgmma shapes: n8, n16 or n32");
+#if MOERUNNER_WGMMA_COMPILED
+  if constexpr (N == 8) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3}, %4, %5, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  } else if constexpr (N == 16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
+  __trap();
+#endif
+}
+
 __device__ __forceinline__ void wgmma_fence() {
 #if MOERUNNER_WGMMA_COMPILED
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");

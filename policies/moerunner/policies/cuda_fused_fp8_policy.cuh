@@ -66,6 +66,7 @@
 #include "moerunner/gpu/routing_plan.hpp"
 #include "moerunner/gpu/sm90_grouped_gemm_wgmma.cuh"
 #include "moerunner/gpu/sm90_grouped_gemm_wgmma_fp8.cuh"
+#include "moerunner/gpu/sm90_grouped_gemm_wgmma_fp8_narrow.cuh"
 #include "moerunner/gpu/stream_gemm.cuh"
 #include "moerunner/runner/validate.hpp"
 
@@ -91,8 +92,8 @@ class cuda_fused_fp8_policy {
   // GEMMs' K loop or raster band (or bands of one expert's tiles), their work items handed out at
   // run time, GEMM2's K splits, its rows for the combine kernel against its reductions into the
   // output, its A rows by TMA against cp.async, its sums stored by store warps, dependent launches
-  // of the GEMMs, GEMM1's K splits or GEMM1's act quantized by store warps (unset: the plan's
-  // rules), for measuring one against the other (gpu::fp8_settings). set_settings forces them
+  // of the GEMMs, GEMM1's K splits, GEMM1's act quantized by store warps or the narrow decode
+  // tiles (unset: the plan's rules), for measuring one against the other (gpu::fp8_settings). set_settings forces them
   // all at once (what it leaves unset, the rules decide).
   void set_settings(const gpu::fp8_settings& forced) noexcept { settings_ = forced; }
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
@@ -112,6 +113,7 @@ class cuda_fused_fp8_policy {
   void set_down_a_tma(std::optional<bool> on) noexcept { settings_.down_a_tma = on; }
   void set_staged_down(std::optional<bool> on) noexcept { settings_.staged_down = on; }
   void set_dependent_gemms(std::optional<bool> on) noexcept { settings_.dependent_gemms = on; }
+  void set_narrow(std::optional<bool> on) noexcept { settings_.narrow = on; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
@@ -345,7 +347,23 @@ class cuda_fused_fp8_policy {
           default: gemms.template operator()<Cluster, bm, fp8_k_loop::plain>();
         }
       };
+      // Narrow tiles: both GEMMs on the plan's N tokens per tile.
+      const auto narrow = [&]<int N>() {
+        if (cfg_.is_gated())
+          gpu::launch_moe_gemm_wgmma_fp8_narrow<T, moe_gemm_kind::gate_up, N>(g1, w13, experts, schedule, dev, stream,
+                                                                              gemm1_dependent);
+        else
+          gpu::launch_moe_gemm_wgmma_fp8_narrow<T, moe_gemm_kind::up_only, N>(g1, w13, experts, schedule, dev, stream,
+                                                                              gemm1_dependent);
+        gpu::launch_moe_gemm_wgmma_fp8_narrow<T, moe_gemm_kind::down, N>(g2, w2, experts, schedule, dev, stream,
+                                                                         gemm2_dependent);
+      };
       switch (pl.tile) {
+        case gpu::fp8_tile::narrow:
+          if (pl.schedule_block_m == 8) narrow.template operator()<8>();
+          else if (pl.schedule_block_m == 16) narrow.template operator()<16>();
+          else narrow.template operator()<32>();
+          break;
         case gpu::fp8_tile::m64x2: m64.template operator()<2>(); break;
         case gpu::fp8_tile::m64x4: gemms.template operator()<4, gpu::fp8_block_m, gpu::fp8_k_loop::plain>(); break;
         case gpu::fp8_tile::m128:
