@@ -44,8 +44,8 @@
 // cuda_fused_fp8_up_split2 and _up_split3 (the wgmma GEMM1 in 2 or 3 K splits where it may,
 // finished by a kernel of its own), cuda_fused_fp8_staged_up (the gated wgmma GEMM1's act
 // quantized and stored by store warps wherever it may, on the plain K loop), cuda_fused_fp8_narrow
-// (the narrow decode tiles, weights as the wgmma's M and 8-32 tokens as its N, wherever the
-// stream GEMMs are not taken).
+// (the narrow decode tiles, weights as the wgmma's M and 8-32 tokens as its N, at every M: the
+// stream GEMMs off).
 // With the wgmma GEMMs' work items handed out at run time (set_hand_out): cuda_fused_handed_out,
 // cuda_fused_m128x2_handed_out, cuda_fused_fp8_handed_out, cuda_fused_fp8_single_handed_out and
 // cuda_fused_fp8_pairs_handed_out, each the row of the same name without the suffix otherwise.
@@ -263,7 +263,7 @@ constexpr backend_variant backend_variants[] = {
      .tuning = mr::gpu::gemm_tuning_choice::automatic, .deterministic = false, .by_default = false,
      .fp8_dependent = true},
     {.label = "cuda_fused_fp8_narrow", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
-     .deterministic = false, .by_default = false, .fp8_narrow = true},
+     .deterministic = false, .by_default = false, .fp8_stream = false, .fp8_narrow = true},
     {.label = "cuda_fused_expert_bands", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .expert_bands = true},
     {.label = "cuda_fused_fp8_expert_bands", .backend = "cuda_fused_fp8",
