@@ -382,8 +382,9 @@ void check_fp8_layout(const g::fp8_plan& p, const moe_config_params& c) {
   }
 }
 
-g::fp8_plan fp8_plan_of(moe_config_params p, std::int64_t m, g::device_target dev = h200) {
-  return g::make_fp8_plan(MoeRunnerConfig(p), m, dev);
+g::fp8_plan fp8_plan_of(moe_config_params p, std::int64_t m, g::device_target dev = h200,
+                        const g::fp8_settings& s = {}) {
+  return g::make_fp8_plan(MoeRunnerConfig(p), m, dev, s);
 }
 
 // The plan of a run with settings forced.
@@ -401,23 +402,22 @@ moe_config_params ungated_qwen3() {
 
 }  // namespace
 
-TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pairs of CTAs from 96 rows per expert, K split where items come in few waves") {
+TEST_CASE("fp8 plan: narrow tiles up to 8 rows per expert, pairs of CTAs from 96 rows per expert, K split where items come in few waves") {
   for (const moe_config_params& c : {mixtral(), qwen3(), deepseek()})
     for (std::int64_t m : {0, 1, 7, 64, 512, 4096, 16384}) {
       CAPTURE(c.num_experts);
       CAPTURE(m);
       const g::fp8_plan p = fp8_plan_of(c, m);
-      // Stream where the active experts average at most 4 rows, as cuda_fused decides, and the
-      // wgmma GEMM1 (128 act columns per item) would have items for under half the SMs; pairs
-      // of CTAs on 128-row tiles where the experts average at least 96 rows; 128-row CTAs
-      // only when asked.
+      // Narrow tiles of 8 tokens where the active experts average at most 8 rows (the stream
+      // GEMMs only where forced); pairs of CTAs on 128-row tiles where the experts average at
+      // least 96 rows; 128-row CTAs only when asked.
       const std::int64_t slots = m * c.top_k, active = std::min<std::int64_t>(slots, c.num_experts);
       const bool pair = active > 0 && slots >= 96 * active;
-      const std::int64_t items = active * ((c.intermediate_size + 127) / 128);
-      CHECK(p.stream == (slots > 0 && slots <= 4 * active && 2 * items < h200.sm_count));
-      CHECK(p.schedule_block_m == (p.stream ? 8 : pair ? 128 : 64));
+      const bool narrow = active > 0 && slots <= 8 * active;
+      CHECK_FALSE(p.stream);
+      CHECK(p.schedule_block_m == (narrow ? 8 : pair ? 128 : 64));
       CHECK(p.cluster_m == (pair ? 2 : 1));
-      if (!p.stream) CHECK(p.tile == (pair ? g::fp8_tile::m64x2 : g::fp8_tile::m64));
+      CHECK(p.tile == (narrow ? g::fp8_tile::narrow : pair ? g::fp8_tile::m64x2 : g::fp8_tile::m64));
       CHECK(p.describe().find(p.stream ? "stream e4m3" : "wgmma e4m3 " + std::string(g::fp8_tile_name(p.tile))) !=
             std::string::npos);
       CHECK(p.schedule_in_gemms == (p.stream && slots <= 64));
@@ -432,16 +432,18 @@ TEST_CASE("fp8 plan: stream GEMMs where the wgmma tiles would idle most SMs, pai
   CHECK(fp8_plan_of(other, 1024).tile == g::fp8_tile::m64x2);  // 6144 slots = 96 x 64
   CHECK(fp8_plan_of(other, 1023).tile == g::fp8_tile::m64);
   CHECK(fp8_plan_of(other, 1023).cluster_m == 1);
-  // Of the benchmark's cells only Qwen3-30B-A3B at one token runs the stream GEMMs (8 experts x
-  // 6 act tiles: 48 wgmma items on 132 SMs); DeepSeek-V3 at one token would give 128, Mixtral-8x7B
-  // 224, and a 32-SM device part streams Qwen3 at no token count.
-  CHECK(fp8_plan_of(qwen3(), 1).stream);
+  // With the narrow tiles forced off, the stream GEMMs' rule: of the benchmark's cells only
+  // Qwen3-30B-A3B at one token (8 experts x 6 act tiles: 48 wgmma items on 132 SMs); DeepSeek-V3
+  // at one token would give 128, Mixtral-8x7B 224, and a 32-SM device part streams Qwen3 at no
+  // token count.
+  const g::fp8_settings wide{.narrow = false};
+  CHECK(fp8_plan_of(qwen3(), 1, h200, wide).stream);
   for (std::int64_t m : {1, 8, 64}) {
-    CHECK_FALSE(fp8_plan_of(mixtral(), m).stream);
-    CHECK_FALSE(fp8_plan_of(deepseek(), m).stream);
+    CHECK_FALSE(fp8_plan_of(mixtral(), m, h200, wide).stream);
+    CHECK_FALSE(fp8_plan_of(deepseek(), m, h200, wide).stream);
   }
-  CHECK_FALSE(fp8_plan_of(qwen3(), 8).stream);
-  CHECK_FALSE(fp8_plan_of(qwen3(), 1, {.code_arch = 90, .has_wgmma = true, .sm_count = 32}).stream);
+  CHECK_FALSE(fp8_plan_of(qwen3(), 8, h200, wide).stream);
+  CHECK_FALSE(fp8_plan_of(qwen3(), 1, {.code_arch = 90, .has_wgmma = true, .sm_count = 32}, wide).stream);
   // Mixtral-8x7B at 64 tokens: 8 experts' 64-row tiles x 16 N tiles come in two waves on 132
   // SMs; splitting K evens them out, and the parts meet in the output's reductions.
   const g::fp8_plan x64 = fp8_plan_of(mixtral(), 64);
@@ -457,8 +459,8 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs, fours and 128-row CTAs forced on o
     check_fp8_layout(p, c);
     return p;
   };
-  // Decode on the wgmma tiles, prefill on the stream GEMMs (the schedule then from the plan kernel).
-  const g::fp8_plan wgmma_decode = forced(qwen3(), 1, {.stream = false, .pairs = std::nullopt});
+  // Decode on the wide wgmma tiles, prefill on the stream GEMMs (the schedule then from the plan kernel).
+  const g::fp8_plan wgmma_decode = forced(qwen3(), 1, {.stream = false, .pairs = std::nullopt, .narrow = false});
   CHECK_FALSE(wgmma_decode.stream);
   CHECK(wgmma_decode.schedule_block_m == 64);
   CHECK(wgmma_decode.workspace.act_f32_bytes == 0);
@@ -489,7 +491,7 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs, fours and 128-row CTAs forced on o
   const g::fp8_plan paired = forced(mixtral(), 64, {.stream = std::nullopt, .pairs = true});
   CHECK(paired.cluster_m == 2);
   CHECK(paired.schedule_block_m == 128);
-  CHECK(forced(qwen3(), 1, {.stream = std::nullopt, .pairs = true}).stream);  // the stream GEMMs first, unless forced off
+  CHECK(forced(qwen3(), 1, {.stream = std::nullopt, .pairs = true, .narrow = false}).stream);  // the stream GEMMs first
   // Fours of CTAs only when asked, before pairs, on 256-row tiles with the plain K loop in fixed turns.
   const g::fp8_plan fours = forced(mixtral(), 4096, {.pairs = true, .quads = true});
   CHECK(fours.tile == g::fp8_tile::m64x4);
@@ -500,7 +502,7 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs, fours and 128-row CTAs forced on o
       forced(mixtral(), 4096, {.quads = true, .k_loop = g::fp8_k_loop::overlap, .hand_out = true});
   CHECK(fours_asked_more.k_loop == g::fp8_k_loop::plain);
   CHECK_FALSE(fours_asked_more.hand_out);
-  CHECK(forced(qwen3(), 1, {.stream = std::nullopt, .quads = true}).stream);  // the stream GEMMs first
+  CHECK(forced(qwen3(), 1, {.stream = std::nullopt, .quads = true, .narrow = false}).stream);  // the stream GEMMs first
   CHECK(fp8_plan_of(mixtral(), 16384).tile == g::fp8_tile::m64x2);        // not by the rules
   // Batch-invariant runs keep single wgmma CTAs whatever is asked.
   moe_config_params inv = deepseek();
@@ -531,8 +533,11 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs, fours and 128-row CTAs forced on o
   CHECK_FALSE(narrow_asked_more.staged_down);
   CHECK_FALSE(narrow_asked_more.staged_up);
   CHECK(narrow_asked_more.up_k_splits == 1);
-  CHECK(forced(qwen3(), 1, {.narrow = true}).stream);  // the stream GEMMs first, unless forced off
-  CHECK(fp8_plan_of(qwen3(), 8).tile != g::fp8_tile::narrow);  // not by the rules
+  CHECK(forced(qwen3(), 1, {.stream = true, .narrow = true}).stream);  // the stream GEMMs where forced
+  CHECK(fp8_plan_of(qwen3(), 8).tile == g::fp8_tile::narrow);           // by the rule: 1 row per expert
+  CHECK(fp8_plan_of(mixtral(), 64).tile == g::fp8_tile::m64);           // 16 rows per expert
+  CHECK(forced(mixtral(), 64, {.narrow = true}).tile == g::fp8_tile::narrow);
+  CHECK(forced(qwen3(), 8, {.narrow = false}).tile == g::fp8_tile::m64);
   CHECK(g::fp8_narrow_tokens(8, 1) == 8);
   CHECK(g::fp8_narrow_tokens(9, 1) == 16);
   CHECK(g::fp8_narrow_tokens(31, 2) == 16);  // 16 rows each, rounded up
@@ -565,12 +570,14 @@ TEST_CASE("fp8 plan: the overlapped K loop unless asked otherwise, the raster ba
     for (std::int64_t m : {0, 1, 64, 4096, 16384}) {
       CAPTURE(c.num_experts);
       CAPTURE(m);
-      // Unasked: the overlapped K loop on the wgmma CTAs, the 16-bit wgmma tunings' band (8 M tiles).
+      // Unasked: the overlapped K loop on the wide wgmma CTAs (the narrow ones and the stream
+      // GEMMs have one loop), the 16-bit wgmma tunings' band (8 M tiles).
       const g::fp8_plan unasked = fp8_plan_of(c, m);
-      CHECK(unasked.k_loop == (unasked.stream ? g::fp8_k_loop::plain : g::fp8_k_loop::overlap));
+      const bool one_loop = unasked.stream || unasked.tile == g::fp8_tile::narrow;
+      CHECK(unasked.k_loop == (one_loop ? g::fp8_k_loop::plain : g::fp8_k_loop::overlap));
       CHECK(unasked.raster_band == g::sm90_wgmma_gemm_policy::tuning.raster_band);
       CHECK(unasked.raster_band == 8);
-      CHECK((unasked.describe().find("overlapped") != std::string::npos) == !unasked.stream);
+      CHECK((unasked.describe().find("overlapped") != std::string::npos) == !one_loop);
       // Work items handed out take the plain loop (the overlap's lean producer spilled there).
       CHECK(forced(c, m, {.hand_out = true}).k_loop == g::fp8_k_loop::plain);
       for (const g::fp8_k_loop loop : {g::fp8_k_loop::plain, g::fp8_k_loop::overlap, g::fp8_k_loop::stagger}) {
@@ -578,15 +585,15 @@ TEST_CASE("fp8 plan: the overlapped K loop unless asked otherwise, the raster ba
         // Asked: taken on the 64-row wgmma CTAs, alone or in pairs; the tiles, splits and
         // workspace are the unasked plan's (the K loop changes nothing else).
         const g::fp8_plan o = forced(c, m, {.k_loop = loop});
-        CHECK(o.k_loop == (o.stream ? g::fp8_k_loop::plain : loop));
+        CHECK(o.k_loop == (one_loop ? g::fp8_k_loop::plain : loop));
         CHECK(o.tile == unasked.tile);
         CHECK(o.stream == unasked.stream);
         CHECK(o.down_k_splits == unasked.down_k_splits);
         CHECK(o.workspace.total == unasked.workspace.total);
         if (loop == g::fp8_k_loop::plain)
           for (const char* name : {"overlapped", "staggered"}) CHECK(o.describe().find(name) == std::string::npos);
-        else CHECK((o.describe().find(std::string(" ") + g::fp8_k_loop_name(loop)) != std::string::npos) == !o.stream);
-        const g::fp8_plan paired = forced(c, m, {.stream = false, .pairs = true, .k_loop = loop});
+        else CHECK((o.describe().find(std::string(" ") + g::fp8_k_loop_name(loop)) != std::string::npos) == !one_loop);
+        const g::fp8_plan paired = forced(c, m, {.stream = false, .pairs = true, .k_loop = loop, .narrow = false});
         CHECK(paired.k_loop == loop);
         // Never other than plain on 128-row CTAs or the stream GEMMs.
         const g::fp8_plan tall = forced(c, m, {.stream = false, .pairs = false, .tall = true, .k_loop = loop});
@@ -671,17 +678,19 @@ TEST_CASE("fp8 plan: GEMM2 writes rows for the combine kernel up to twice the 16
 }
 
 TEST_CASE("fp8 plan: GEMM2's A rows by TMA on the wgmma GEMMs") {
-  // Every wgmma run by default, batch-invariant ones too (the rows past a tile are never stored,
-  // so the bits are the cp.async path's); never the stream GEMMs or an empty run; forced off.
+  // Every wide wgmma run by default, batch-invariant ones too (the rows past a tile are never
+  // stored, so the bits are the cp.async path's); never the narrow tiles (their few token rows
+  // come by cp.async), the stream GEMMs or an empty run; forced off.
   for (const moe_config_params& c : {mixtral(), deepseek(), qwen3()})
     for (const std::int64_t m : {1, 8, 64, 512, 4096, 16384}) {
       CAPTURE(m);
       const g::fp8_plan p = fp8_plan_of(c, m);
-      CHECK(p.down_a_tma == !p.stream);
+      CHECK(p.down_a_tma == (!p.stream && p.tile != g::fp8_tile::narrow));
       CHECK((p.describe().find("GEMM2's A by TMA") != std::string::npos) == p.down_a_tma);
       CHECK_FALSE(g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.down_a_tma = false}).down_a_tma);
       CHECK_FALSE(g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.stream = true, .down_a_tma = true}).down_a_tma);
-      CHECK(g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.stream = false}).down_a_tma);
+      CHECK(g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.stream = false, .narrow = false}).down_a_tma);
+      CHECK_FALSE(g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.stream = false, .narrow = true}).down_a_tma);
     }
   moe_config_params inv = qwen3();
   inv.batch_invariant = true;
@@ -844,8 +853,8 @@ TEST_CASE("fp8 plan: deterministic, batch-invariant and no_combine stores") {
   check_fp8_layout(d, det);
   moe_config_params det_ds = qwen3();
   det_ds.deterministic = true;
-  const g::fp8_plan ds = fp8_plan_of(det_ds, 1);  // stream: rows summed in slot order
-  CHECK(ds.stream);
+  const g::fp8_plan ds = fp8_plan_of(det_ds, 1);  // narrow tiles: rows summed in slot order
+  CHECK(ds.tile == g::fp8_tile::narrow);
   CHECK(ds.down == g::down_store::rows);
   CHECK(ds.combine_kernel);
   check_fp8_layout(ds, det_ds);
@@ -1003,7 +1012,9 @@ TEST_CASE("grid: every fp8 plan is laid out and keeps one K order where batch-in
       check_fp8_layout(p, c);
       CHECK(p.down_k_splits >= 1);
       CHECK(p.down_k_splits <= std::max(1, s.i / 128 / 4));
-      CHECK(p.schedule_block_m == (p.stream ? 8 : p.tile == g::fp8_tile::m64 ? 64 : 128));
+      CHECK(p.schedule_block_m == (p.stream || p.tile == g::fp8_tile::narrow ? 8
+                                   : p.tile == g::fp8_tile::m64             ? 64
+                                                                             : 128));
       CHECK(p.cluster_m == (!p.stream && p.tile == g::fp8_tile::m64x2 ? 2 : 1));
       if (p.stream || m == 0) CHECK(p.down_k_splits == 1);
       if (mode == grid_mode::batch_invariant) {
@@ -1051,13 +1062,15 @@ TEST_CASE("grid: a run's need falls with M only after decode's f32 pieces; the m
     }
   });
   // Where it falls: deterministic decode (Mixtral-8x7B: 32 tokens' nine K-split parts outweigh 33
-  // tokens' four) and fp8 decode (Qwen3-30B-A3B at one token streams with act in f32).
+  // tokens' four) and fp8 decode with the narrow tiles off (Qwen3-30B-A3B at one token then
+  // streams with act in f32).
   moe_config_params det = mixtral();
   det.deterministic = true;
   bool falls = false;
   for (std::int64_t m = 1; m < 400 && !falls; ++m) falls = plan_of(det, m + 1).workspace.total < plan_of(det, m).workspace.total;
   CHECK(falls);
-  CHECK(fp8_plan_of(qwen3(), 1).workspace.total > fp8_plan_of(qwen3(), 2).workspace.total);
+  const g::fp8_settings wide{.narrow = false};
+  CHECK(fp8_plan_of(qwen3(), 1, h200, wide).workspace.total > fp8_plan_of(qwen3(), 2, h200, wide).workspace.total);
 }
 
 TEST_CASE("the maximum over token counts: every count from 0 to max_tokens, a negative max_tokens refused") {
@@ -1097,7 +1110,7 @@ TEST_CASE("work items handed out at run time: only where asked, on the wgmma GEM
       const g::fp8_plan fp8_fixed = fp8_plan_of(c, m),
                         fp8_handed = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.hand_out = true});
       check_fp8_layout(fp8_handed, c);
-      CHECK(fp8_handed.hand_out == (!fp8_handed.stream && m > 0));
+      CHECK(fp8_handed.hand_out == (!fp8_handed.stream && fp8_handed.tile != g::fp8_tile::narrow && m > 0));
       // Not on 128-row CTAs (their lean producer spilled with the hand-out's state).
       CHECK_FALSE(g::make_fp8_plan(MoeRunnerConfig(c), m, h200,
                                    {.stream = false, .pairs = false, .tall = true, .hand_out = true})

@@ -123,9 +123,10 @@ struct fp8_problem {
 using runner_t = mr::MoeRunner<mr::reference_policy, mr::cuda_fused_fp8_policy>;
 
 // Device copies of an fp8 problem and a runner with exactly the workspace it asks for; `forced`
-// forces the stream GEMMs, the pairs or fours of CTAs or the 128-row CTAs on or off, the K loop, the
-// raster band, the work items handed out, GEMM2's K splits, its rows against its reductions, its
-// A rows by TMA or its store warps (unset: the plan's rules).
+// forces the stream GEMMs, the narrow tiles, the pairs or fours of CTAs or the 128-row CTAs on or
+// off, the K loop, the raster band, the work items handed out, GEMM2's K splits, its rows against
+// its reductions, its A rows by TMA or its store warps (unset: the plan's rules). Subcases of the
+// wide tiles' settings force the narrow tiles off, which the plan takes up to 8 rows per expert.
 struct fp8_on_device {
   mr::test::device_tensor x, xq, xs, w13, w2, s13, s2, weights, ids;
   mr::test::device_buffer out_buf, ws_buf;
@@ -367,11 +368,12 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     // 3 splits into the output by atomics, into f32 parts where deterministic, and a count past
     // the K tiles (one split per K tile).
     const shape sh{8, 16, 4, 256, 768};
-    const mr::gpu::fp8_settings split3{.stream = false, .down_k_splits = 3};
+    const mr::gpu::fp8_settings split3{.stream = false, .down_k_splits = 3, .narrow = false};
     for (const options& o : {options{}, options{.deterministic = true}})
       worst = std::max(worst, check_case(sh, bf16, o, rng, false, mr::fp8_weight_scaling::block128, split3));
     worst = std::max(worst, check_case({300, 16, 4, 256, 768}, bf16, {}, rng, false,
-                                       mr::fp8_weight_scaling::block128, {.stream = false, .down_k_splits = 40}));
+                                       mr::fp8_weight_scaling::block128,
+                                       {.stream = false, .down_k_splits = 40, .narrow = false}));
   }
   SUBCASE("GEMM2's rows or its reductions forced") {
     // Each where the rule takes the other: rows below 4096 slots and past I = 2048, reductions
@@ -404,7 +406,7 @@ TEST_CASE("fp8 against the reference's fp8 path") {
             mr::gpu::fp8_settings{.stream = false, .pairs = true, .down_a_tma = tma},
             mr::gpu::fp8_settings{.stream = false, .pairs = false, .tall = true, .down_a_tma = tma}}) {
         const auto run = [&](const shape& c, const options& o, mr::gpu::fp8_settings g = {}) {
-          g.stream = f.stream, g.pairs = f.pairs, g.tall = f.tall, g.down_a_tma = f.down_a_tma;
+          g.stream = f.stream, g.pairs = f.pairs, g.tall = f.tall, g.down_a_tma = f.down_a_tma, g.narrow = false;
           worst = std::max(worst, check_case(c, bf16, o, rng, false, mr::fp8_weight_scaling::block128, g));
         };
         run({97, 8, 2, 256, 256}, {});
@@ -432,6 +434,7 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       CAPTURE(static_cast<int>(loop));
       const auto run = [&](const shape& c, const options& o, mr::gpu::fp8_settings f = {}) {
         f.stream = false, f.pairs = paired, f.k_loop = loop, f.staged_down = f.staged_down.value_or(true);
+        f.narrow = false;
         worst = std::max(worst, check_case(c, bf16, o, rng, false, mr::fp8_weight_scaling::block128, f));
       };
       run({97, 8, 2, 256, 256}, {});
@@ -462,7 +465,7 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       CAPTURE(paired);
       const auto run = [&](const shape& c, const options& o, mr::gpu::fp8_settings f = {}, bool prequantized = false,
                            mr::fp8_weight_scaling scaling = mr::fp8_weight_scaling::block128) {
-        f.stream = false, f.pairs = paired, f.staged_up = true;
+        f.stream = false, f.pairs = paired, f.staged_up = true, f.narrow = false;
         worst = std::max(worst, check_case(c, bf16, o, rng, prequantized, scaling, f));
       };
       run({97, 8, 2, 512, 256}, {});
@@ -491,7 +494,7 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     // quantization, clears the output that is its input); e4m3 input (GEMM1 then not a
     // dependent); more items than CTAs at decode sizes; 0 and 1 tokens.
     const auto run = [&](const shape& c, const options& o, mr::gpu::fp8_settings f = {}, bool prequantized = false) {
-      f.stream = false, f.dependent_gemms = true;
+      f.stream = false, f.dependent_gemms = true, f.narrow = false;
       worst = std::max(worst, check_case(c, bf16, o, rng, prequantized, mr::fp8_weight_scaling::block128, f));
     };
     for (const auto loop : {mr::gpu::fp8_k_loop::plain, mr::gpu::fp8_k_loop::overlap}) {
@@ -516,7 +519,7 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     // (clamped), deterministic, ~50 experts at 64 tokens, 0 and 1 token.
     const auto run = [&](const shape& c, const options& o, mr::gpu::fp8_settings f, bool prequantized = false,
                          mr::fp8_weight_scaling scaling = mr::fp8_weight_scaling::block128) {
-      f.stream = false, f.pairs = false;
+      f.stream = false, f.pairs = false, f.narrow = false;
       worst = std::max(worst, check_case(c, bf16, o, rng, prequantized, scaling, f));
     };
     for (const auto loop : {mr::gpu::fp8_k_loop::plain, mr::gpu::fp8_k_loop::overlap})
@@ -565,7 +568,8 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     for (const mr::gpu::fp8_k_loop loop :
          {mr::gpu::fp8_k_loop::plain, mr::gpu::fp8_k_loop::overlap, mr::gpu::fp8_k_loop::stagger}) {
       CAPTURE(mr::gpu::fp8_k_loop_name(loop));
-      const mr::gpu::fp8_settings single{.stream = false, .pairs = false, .k_loop = loop};  // else pairs from 96 rows
+      // (pairs from 96 rows, narrow tiles up to 8, unless forced off)
+      const mr::gpu::fp8_settings single{.stream = false, .pairs = false, .k_loop = loop, .narrow = false};
       const auto loop_case = [&](const shape& c, mr::dtype t, const options& o, bool preq = false,
                                  mr::fp8_weight_scaling sc = mr::fp8_weight_scaling::block128) {
         worst = std::max(worst, check_case(c, t, o, rng, preq, sc, single));
@@ -581,7 +585,7 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       loop_case({300, 8, 2, 256, 256}, bf16, {.act = mr::activation_kind::swiglu_clamped});
       loop_case({600, 8, 2, 256, 256}, bf16, {}, false, mr::fp8_weight_scaling::per_tensor);
       loop_case({600, 8, 2, 384, 384}, bf16, {.gated = false}, false, mr::fp8_weight_scaling::per_channel);
-      const mr::gpu::fp8_settings pairs{.stream = false, .pairs = true, .k_loop = loop};
+      const mr::gpu::fp8_settings pairs{.stream = false, .pairs = true, .k_loop = loop, .narrow = false};
       const auto pair_case = [&](const shape& c, const options& o) {
         worst = std::max(worst, check_case(c, bf16, o, rng, false, mr::fp8_weight_scaling::block128, pairs));
       };
@@ -610,8 +614,9 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     // turns (an item's sums do not depend on which cluster runs it or when), twice on one
     // poisoned workspace (the plan zeroes the item counters, each launch leaves them at 0).
     // Fixed turns with the plain K loop, the one the hand-out takes (the plan's default is overlap).
-    const mr::gpu::fp8_settings tiles[] = {{.stream = false, .pairs = false, .k_loop = mr::gpu::fp8_k_loop::plain},
-                                           {.stream = false, .pairs = true, .k_loop = mr::gpu::fp8_k_loop::plain}};
+    const mr::gpu::fp8_settings tiles[] = {
+        {.stream = false, .pairs = false, .k_loop = mr::gpu::fp8_k_loop::plain, .narrow = false},
+        {.stream = false, .pairs = true, .k_loop = mr::gpu::fp8_k_loop::plain, .narrow = false}};
     for (const mr::gpu::fp8_settings& fixed_turns : tiles) {
       mr::gpu::fp8_settings handed = fixed_turns;
       handed.hand_out = true;
@@ -657,9 +662,9 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     }
   }
   SUBCASE("decode on the stream GEMMs") {
-    // At most 4 rows per active expert, the stream GEMMs forced on where the plan's rule (few
-    // wgmma items) would not take them; the schedule built in the GEMMs up to 64 slots and by the
-    // plan kernel above.
+    // At most 4 rows per active expert, the stream GEMMs forced on (the plan takes the narrow
+    // tiles there, and with those off the stream GEMMs only where wgmma items are few); the
+    // schedule built in the GEMMs up to 64 slots and by the plan kernel above.
     const auto stream_case = [&](const shape& sh, const options& o, bool preq = false,
                                  mr::fp8_weight_scaling sc = mr::fp8_weight_scaling::block128) {
       worst = std::max(worst, check_case(sh, bf16, o, rng, preq, sc, {.stream = true}));

@@ -35,7 +35,13 @@ inline constexpr const char* fp8_tile_name(fp8_tile t) {
 // Narrow tiles (decode): 256 weight rows as the wgmma's M and a tile's 8, 16 or 32 tokens as its
 // N (kernels::wgmma_fp8_narrow_shape), so that a K tile's tensor work follows the tokens instead
 // of a 64-row tile's; the schedule's tiles then hold N rows. N is the smallest that holds the
-// active experts' average rows (at most 32). Only where asked (fp8_settings::narrow) until measured.
+// active experts' average rows (at most 32). The plan takes them where the active experts average
+// at most fp8_narrow_max_rows_per_expert rows, before the stream GEMMs: on an H100 they measured
+// 0.2-14% faster than the plan before them on all 14 such cells of five shapes (the stream GEMMs
+// at one token included: 13-14%), equal at 16 rows (Mixtral-8x7B, 64 tokens) and 6-59% slower
+// at 16-128 rows with 512 tokens, where the 64-row tiles' weight reads serve more rows
+// (bench/NOTES.md, round 29).
+inline constexpr std::int64_t fp8_narrow_max_rows_per_expert = 8;
 inline constexpr int fp8_narrow_tokens(std::int64_t slots, std::int64_t active_experts) {
   const std::int64_t avg = active_experts > 0 ? (slots + active_experts - 1) / active_experts : 1;
   return avg <= 8 ? 8 : avg <= 16 ? 16 : 32;
@@ -166,17 +172,19 @@ struct fp8_settings {
   // The wgmma GEMM1's K splits (fp8_plan::up_k_splits; >= 1, at most its K tiles) where it may
   // split (64-row CTAs alone in fixed turns, not batch-invariant runs); unset: 1.
   std::optional<int> up_k_splits = std::nullopt;
-  // Narrow wgmma tiles (fp8_tile::narrow; before fours, pairs and 128-row CTAs) wherever the
-  // stream GEMMs are not taken, except batch-invariant runs; unset: never.
+  // Narrow wgmma tiles (fp8_tile::narrow; before the stream GEMMs where those are not forced, and
+  // before fours, pairs and 128-row CTAs), except in batch-invariant runs; unset:
+  // fp8_narrow_max_rows_per_expert's rule.
   std::optional<bool> narrow = std::nullopt;
 };
 
 struct fp8_plan {
   std::int64_t num_tokens = 0;
-  // Decode where the wgmma tiles would be few (active experts average at most
-  // stream_max_rows_per_expert rows, as for cuda_fused, and GEMM1's wgmma items fill under half
-  // the SMs): the stream GEMMs on e4m3, GEMM1 writing f32 act that a kernel of its own
-  // quantizes, the kernels chained by programmatic launches; else the wgmma GEMMs.
+  // The stream GEMMs on e4m3 (GEMM1 writing f32 act that a kernel of its own quantizes, the
+  // kernels chained by programmatic launches) where forced, or where the narrow tiles are forced
+  // off and the wgmma tiles would be few (active experts average at most
+  // stream_max_rows_per_expert rows and GEMM1's wgmma items fill under half the SMs); else the
+  // wgmma GEMMs.
   bool stream = false;
   bool schedule_in_gemms = false;      // stream: every CTA orders the rows itself (no plan kernel)
   fp8_tile tile = fp8_tile::m64;       // wgmma: the CTA tile
@@ -267,16 +275,18 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   // Hopper runs the stream GEMMs' e4m3 mma.sync by emulation (converted to f16 for the tensor
   // cores): they measured 2-9% slower than the wgmma tiles on 6 of 8 decode cells, and won only
   // where those tiles leave most SMs idle (Qwen3-30B-A3B at one token: 48 GEMM1 items on 132
-  // SMs, 27% faster). bench/NOTES.md, round 12.
+  // SMs, 27% faster; bench/NOTES.md, round 12). The narrow tiles measured faster still there,
+  // so the stream GEMMs' rule now applies only where the narrow tiles are forced off.
   const int act_tile_cols = cfg.is_gated() ? fp8_down_cols / 2 : fp8_down_cols;
   const std::int64_t wgmma_gemm1_items = active * ((cfg.intermediate_size() + act_tile_cols - 1) / act_tile_cols);
+  const bool narrow = settings.narrow.value_or(slots <= fp8_narrow_max_rows_per_expert * active);
   p.stream = !cfg.batch_invariant() && slots > 0 &&
-             settings.stream.value_or(slots <= stream_max_rows_per_expert * active &&
+             settings.stream.value_or(!narrow && slots <= stream_max_rows_per_expert * active &&
                                       2 * wgmma_gemm1_items < dev.sm_count);
   p.schedule_in_gemms = p.stream && slots <= local_plan_max_slots;
   if (p.stream) {
     p.schedule_block_m = stream_gemm_fp8_policy::tuning.schedule_block_m();
-  } else if (!cfg.batch_invariant() && active > 0 && settings.narrow.value_or(false)) {
+  } else if (!cfg.batch_invariant() && active > 0 && narrow) {
     p.tile = fp8_tile::narrow;
     p.schedule_block_m = fp8_narrow_tokens(slots, active);
   } else if (!cfg.batch_invariant() && active > 0 && settings.quads.value_or(false)) {

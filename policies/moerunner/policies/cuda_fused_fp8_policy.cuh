@@ -21,11 +21,15 @@
 //      or (deterministic, batch-invariant, or short I with many slots) rows that a combine
 //      kernel sums in slot order, or (no_combine) each row to its [token, slot] place; where
 //      its items are few GEMM2 also splits K.
-// At decode (active experts average at most 4 rows, not batch-invariant) the GEMMs are the
-// stream GEMMs on e4m3 instead (kernel_stream_gemm.cuh, mma.sync m16n8k32 with the same
-// per-128-K promotion): up to 64 slots they order the rows themselves (no plan kernel), GEMM1
-// writes f32 act that the input rows' quantizer turns into e4m3 + scales (its 128-column groups
-// span several of GEMM1's CTAs), and each kernel is its predecessor's programmatic dependent.
+// At decode (active experts average at most 8 rows, not batch-invariant) both GEMMs run narrow
+// tiles instead (sm90_kernel_grouped_gemm_wgmma_fp8_narrow.cuh): 256 weight rows as the wgmma's
+// M and the schedule tile's 8, 16 or 32 tokens as its N, the same per-128-K promotion, the
+// epilogues through an f32 staging tile (GEMM1 quantizes act per token and 128 columns there).
+// Where asked (set_stream_gemms) the stream GEMMs on e4m3 instead (kernel_stream_gemm.cuh,
+// mma.sync m16n8k32 with the same promotion): up to 64 slots they order the rows themselves (no
+// plan kernel), GEMM1 writes f32 act that the input rows' quantizer turns into e4m3 + scales
+// (its 128-column groups span several of GEMM1's CTAs), and each kernel is its predecessor's
+// programmatic dependent.
 // gpu::make_fp8_plan makes every choice, once per run.
 // The quantization points and rule are the reference's (the fp8 methods on `reference`), so
 // the two agree to the fp8 rounding of values the GEMMs compute in a different order.
