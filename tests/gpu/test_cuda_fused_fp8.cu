@@ -699,7 +699,7 @@ TEST_CASE("fp8 against the reference's fp8 path") {
     narrow_case({64, 64, 8, 256, 256}, {});
     narrow_case({40, 128, 6, 256, 128}, {});  // most experts get no rows
     narrow_case({24, 8, 2, 384, 256}, {.ids = ids_kind::skewed});
-    narrow_case({50, 8, 2, 256, 256}, {.ids = ids_kind::one_expert});  // 100 rows of one expert: 4 tiles
+    narrow_case({50, 8, 2, 256, 256}, {.ids = ids_kind::one_expert});  // 50 rows on each of 2 experts: 4 tiles each
     narrow_case({8, 16, 4, 384, 384}, {.gated = false});               // H, I % 256 = 128
     narrow_case({8, 16, 4, 256, 256}, {.act = mr::activation_kind::gelu});
     narrow_case({8, 16, 4, 256, 256}, {.act = mr::activation_kind::swiglu_clamped});
