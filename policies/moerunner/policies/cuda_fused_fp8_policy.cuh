@@ -97,8 +97,8 @@ class cuda_fused_fp8_policy {
   // run time, GEMM2's K splits, its rows for the combine kernel against its reductions into the
   // output, its A rows by TMA against cp.async, its sums stored by store warps, dependent launches
   // of the GEMMs, GEMM1's K splits, GEMM1's act quantized by store warps or the narrow decode
-  // tiles (unset: the plan's rules), for measuring one against the other (gpu::fp8_settings). set_settings forces them
-  // all at once (what it leaves unset, the rules decide).
+  // tiles (unset: the plan's rules), for measuring one against the other (gpu::fp8_settings).
+  // set_settings forces them all at once (what it leaves unset, the rules decide).
   void set_settings(const gpu::fp8_settings& forced) noexcept { settings_ = forced; }
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
   void set_pairs(std::optional<bool> on) noexcept { settings_.pairs = on; }
