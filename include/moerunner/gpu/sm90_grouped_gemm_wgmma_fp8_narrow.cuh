@@ -8,8 +8,6 @@
 #endif
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -46,24 +44,11 @@ void launch_moe_gemm_wgmma_fp8_narrow(kernels::moe_gemm_fp8_params<T> p, const s
   MOE_EXPECT(g.k_splits == 1 || (may_split && g.k_splits >= 1 && g.k_splits <= g.k / tile_t::block_k), where,
              "k_splits must be 1, or at most the K tiles for GEMM2 into the output or partials; got " +
                  std::to_string(g.k_splits));
-  MOE_EXPECT(g.store != kernels::down_store::partials || g.partials != nullptr, where, "partials is null");
-  MOE_EXPECT(g.raster_band >= 1, where, "raster_band must be positive");
-  MOE_EXPECT(!g.expert_bands || schedule.expert_band > 0, where,
-             "expert bands need a schedule written with them (its tiles carry the band words)");
+  check_wgmma_fp8_items(g, schedule, where);
   const CUtensorMap map =
       weight_tensor_map(b, g.b_rows_per_expert, g.n, g.k, num_experts, g.interleaved, tile_t::box_rows);
-  const auto kernel = kernels::moe_grouped_gemm_wgmma_fp8_narrow_kernel<T, Kind, N>;
-  constexpr int cached_devices = 64;
-  static std::array<std::atomic<bool>, cached_devices> prepared{};
-  if (dev.device < 0 || dev.device >= cached_devices || !prepared[dev.device].load(std::memory_order_relaxed)) {
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile_t::smem_bytes));
-    int n = 0;
-    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, tile_t::threads, tile_t::smem_bytes));
-    MOE_EXPECT(n > 0, where,
-               "the narrow fp8 GEMM does not fit on this device (" + std::to_string(tile_t::smem_bytes) +
-                   " bytes of shared memory per CTA)");
-    if (dev.device >= 0 && dev.device < cached_devices) prepared[dev.device].store(true, std::memory_order_relaxed);
-  }
+  constexpr auto kernel = kernels::moe_grouped_gemm_wgmma_fp8_narrow_kernel<T, Kind, N>;
+  resident_ctas<kernel>(dev.device, tile_t::threads, tile_t::smem_bytes, where);  // (one CTA per SM)
   const std::int64_t n_tiles = (g.n + tile_t::out_cols - 1) / tile_t::out_cols;
   g.tiles = schedule.tiles;
   g.tile_count = schedule.count;
