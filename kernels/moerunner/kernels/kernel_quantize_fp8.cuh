@@ -61,6 +61,19 @@ __device__ __forceinline__ fp8_lane_quad quantize_warp_group(const float (&f)[4]
           scale};
 }
 
+// One warp: the f32 group of 128 at src (lane l: values 4l .. 4l + 3; src 16-byte aligned),
+// quantized by quantize_warp_group into row `row` of q [rows, n] from column col (a multiple of
+// 128), e4m3, and its scale into scales [rows, n / 128] (from lane 0). The fp8 GEMMs' staged
+// GEMM1 epilogues store act this way.
+__device__ __forceinline__ void quantize_group_to(const float* src, std::int64_t row, int col, int n, std::uint8_t* q,
+                                                  float* scales, int lane) {
+  const float4 v = *reinterpret_cast<const float4*>(src + 4 * lane);
+  const float f[4] = {v.x, v.y, v.z, v.w};
+  const fp8_lane_quad r = quantize_warp_group(f);
+  *reinterpret_cast<std::uint32_t*>(q + row * n + col + 4 * lane) = r.packed;
+  if (lane == 0) scales[row * (n / fp8_group) + col / fp8_group] = r.scale;
+}
+
 // One warp per group of 128 (4 values per lane, one load each): q [rows, h] e4m3 and scales
 // [rows, h / 128]; h is a multiple of 128, x aligned to 4 values (T: bf16, f16 or f32). May be
 // launched as a programmatic dependent of the kernel that writes x.

@@ -495,16 +495,10 @@ struct moe_gemm_wgmma_fp8 : wgmma_fp8_shape<BlockM, wgmma_fp8_staging_row_bytes(
                                         barriers& bars, work_item_ring* item_ring, int t) {
     const moe_gemm_params<T>& g = p.g;
     const int warp = t / 32, lane = t % 32;
-    const int scales_per_row = g.n / fp8_group;
     walk_staged_items(g, bars, item_ring, lane, [&](const gpu::moe_m_tile& tile, int n0, int rows) {
-      for (int r = warp; r < rows; r += store_warps) {
-        const float4 v = *reinterpret_cast<const float4*>(staging + r * staging_row_bytes + 16 * lane);
-        const float f[4] = {v.x, v.y, v.z, v.w};
-        const fp8_lane_quad q = quantize_warp_group(f);
-        const std::int64_t row = tile.row_begin + r;
-        *reinterpret_cast<std::uint32_t*>(p.act + row * g.n + n0 + 4 * lane) = q.packed;
-        if (lane == 0) p.act_scale[row * scales_per_row + n0 / fp8_group] = q.scale;
-      }
+      for (int r = warp; r < rows; r += store_warps)
+        quantize_group_to(reinterpret_cast<const float*>(staging + r * staging_row_bytes), tile.row_begin + r, n0, g.n,
+                          p.act, p.act_scale, lane);
     });
   }
 

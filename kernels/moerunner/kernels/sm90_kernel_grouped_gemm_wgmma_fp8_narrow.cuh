@@ -343,18 +343,12 @@ struct moe_gemm_wgmma_fp8_narrow : wgmma_fp8_narrow_shape<Kind, N> {
   __device__ __forceinline__ static void store_act(const moe_gemm_fp8_params<T>& p, const gpu::moe_m_tile& tile,
                                                    int n0, const unsigned char* staging, int cw, int lane, int rows) {
     const moe_gemm_params<T>& g = p.g;
-    const int scales_per_row = g.n / fp8_group;
     constexpr int groups = out_cols / fp8_group;  // 1 gated, 2 otherwise
     for (int u = cw; u < rows * groups; u += consumer_threads / 32) {
       const int t = u / groups, grp = u % groups, col = n0 + fp8_group * grp;
       if (col >= g.n) continue;  // n is a multiple of 128: a group is wholly in or out
-      const float4 v =
-          *reinterpret_cast<const float4*>(staging + t * staging_row_bytes + 4 * (fp8_group * grp + 4 * lane));
-      const float f[4] = {v.x, v.y, v.z, v.w};
-      const fp8_lane_quad qd = quantize_warp_group(f);
-      const std::int64_t row = tile.row_begin + t;
-      *reinterpret_cast<std::uint32_t*>(p.act + row * g.n + col + 4 * lane) = qd.packed;
-      if (lane == 0) p.act_scale[row * scales_per_row + col / fp8_group] = qd.scale;
+      quantize_group_to(reinterpret_cast<const float*>(staging + t * staging_row_bytes) + fp8_group * grp,
+                        tile.row_begin + t, col, g.n, p.act, p.act_scale, lane);
     }
   }
 
