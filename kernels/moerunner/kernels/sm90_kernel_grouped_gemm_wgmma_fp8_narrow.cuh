@@ -352,9 +352,9 @@ struct moe_gemm_wgmma_fp8_narrow : wgmma_fp8_narrow_shape<Kind, N> {
     }
   }
 
-  // GEMM2: consumer warp cw stores token rows cw, cw + 8, .. (lane l: columns n0 + 8l .. + 7):
-  // times the row's factor as 16-bit pairs into rows or slots, or added into the output, as the
-  // wide epilogue forms them; K-split parts in f32.
+  // GEMM2: consumer warp cw stores token rows cw, cw + 8, .. (lane l: columns n0 + 8l .. + 7) by
+  // store_outputs8 (times the row's factor as 16-bit pairs into rows or slots, or added into the
+  // output: the mma.sync GEMMs' epilogue); K-split parts in f32.
   __device__ __forceinline__ static void store_rows(const moe_gemm_params<T>& g, const gpu::moe_m_tile& tile, int n0,
                                                     int split, const unsigned char* staging, int cw, int lane,
                                                     int rows) {
@@ -371,13 +371,7 @@ struct moe_gemm_wgmma_fp8_narrow : wgmma_fp8_narrow_shape<Kind, N> {
         *reinterpret_cast<float4*>(part + 4) = make_float4(v[4], v[5], v[6], v[7]);
         continue;
       }
-      const down_target<T> target = down_target<T>::at(g, row);
-      std::uint32_t packed[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        packed[i] = mma_16816<T>::pack2(v[2 * i] * target.factor, v[2 * i + 1] * target.factor);
-      if (g.store == down_store::accumulate) atomic_add8(target.dst + col, packed);
-      else *reinterpret_cast<uint4*>(target.dst + col) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      store_outputs8<T, moe_gemm_kind::down>(g, tile.expert, row, col, v, v);  // (no bias in fp8: none added)
     }
   }
 };
