@@ -44,8 +44,9 @@
 // cuda_fused_fp8_up_split2 and _up_split3 (the wgmma GEMM1 in 2 or 3 K splits where it may,
 // finished by a kernel of its own), cuda_fused_fp8_staged_up (the gated wgmma GEMM1's act
 // quantized and stored by store warps wherever it may, on the plain K loop), cuda_fused_fp8_narrow
-// (the narrow decode tiles, weights as the wgmma's M and 8-32 tokens as its N, at every M: the
-// stream GEMMs off).
+// and cuda_fused_narrow (the narrow decode tiles, weights as the wgmma's M and 8-32 tokens as its
+// N, at every M: the stream GEMMs off; cuda_fused_narrow_pdl with programmatic dependent
+// launches), cuda_fused_fp8_wide (the narrow tiles off: the plan before them).
 // With the wgmma GEMMs' work items handed out at run time (set_hand_out): cuda_fused_handed_out,
 // cuda_fused_m128x2_handed_out, cuda_fused_fp8_handed_out, cuda_fused_fp8_single_handed_out and
 // cuda_fused_fp8_pairs_handed_out, each the row of the same name without the suffix otherwise.
@@ -165,7 +166,7 @@ struct backend_variant {
   std::optional<bool> fp8_dependent = std::nullopt;  // cuda_fused_fp8: dependent wgmma launches (unset: the plan's)
   std::optional<int> fp8_up_k_splits = std::nullopt;  // cuda_fused_fp8: GEMM1's K splits (unset: the plan's)
   std::optional<bool> fp8_staged_up = std::nullopt;  // cuda_fused_fp8: GEMM1's store warps (unset: the plan's)
-  std::optional<bool> fp8_narrow = std::nullopt;  // cuda_fused_fp8: the narrow decode tiles (unset: the plan's)
+  std::optional<bool> narrow = std::nullopt;  // the narrow decode tiles forced on or off (unset: the plan's)
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -263,7 +264,13 @@ constexpr backend_variant backend_variants[] = {
      .tuning = mr::gpu::gemm_tuning_choice::automatic, .deterministic = false, .by_default = false,
      .fp8_dependent = true},
     {.label = "cuda_fused_fp8_narrow", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
-     .deterministic = false, .by_default = false, .fp8_stream = false, .fp8_narrow = true},
+     .deterministic = false, .by_default = false, .fp8_stream = false, .narrow = true},
+    {.label = "cuda_fused_fp8_wide", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .narrow = false},
+    {.label = "cuda_fused_narrow", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .narrow = true},
+    {.label = "cuda_fused_narrow_pdl", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .dependent = true, .narrow = true},
     {.label = "cuda_fused_expert_bands", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .expert_bands = true},
     {.label = "cuda_fused_fp8_expert_bands", .backend = "cuda_fused_fp8",
@@ -776,6 +783,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_hand_out(variant->hand_out);
           core.set_expert_bands(variant->expert_bands);
           core.set_down_a_tma(variant->down_a_tma);
+          core.set_narrow(variant->narrow);
         } else if constexpr (requires { core.set_stream_gemms(variant->fp8_stream); }) {
           core.set_stream_gemms(variant->fp8_stream);
           core.set_pairs(variant->fp8_pairs);
@@ -792,7 +800,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_dependent_gemms(variant->fp8_dependent);
           core.set_up_k_splits(variant->fp8_up_k_splits);
           core.set_staged_up(variant->fp8_staged_up);
-          core.set_narrow(variant->fp8_narrow);
+          core.set_narrow(variant->narrow);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");
         }

@@ -7,6 +7,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 
 #include "moerunner/core/workspace_max.hpp"
 #include "moerunner/gpu/fp8_plan.hpp"
@@ -73,8 +74,16 @@ void check_layout(const g::fused_plan& p, const moe_config_params& c) {
   CHECK(p.gather_a == (large && p.num_tokens > 0 && c.intermediate_size >= g::gather_a_min_intermediate));
   if (p.gather_a) CHECK(w.gathered_bytes >= slots * static_cast<std::size_t>(c.hidden_size) * 2);
   else CHECK(w.gathered_bytes == 0);
-  // GEMM2's A rows by TMA on every wgmma run (act is in plan order: no copy, no workspace).
-  CHECK(p.down_a_tma == (p.family == g::gemm_family::wgmma && p.num_tokens > 0));
+  // GEMM2's A rows by TMA on every wide wgmma run (act is in plan order: no copy, no workspace).
+  const bool narrow = p.tile == g::sm90_tile::narrow;
+  CHECK(p.down_a_tma == (p.family == g::gemm_family::wgmma && !narrow && p.num_tokens > 0));
+  if (narrow) {
+    CHECK(p.family == g::gemm_family::wgmma);
+    CHECK((p.schedule_block_m == 8 || p.schedule_block_m == 16 || p.schedule_block_m == 32));
+    CHECK_FALSE(p.schedule_in_gemms);
+    CHECK_FALSE(p.hand_out);
+    CHECK(p.cluster_m == 1);
+  }
   CHECK(w.act_bytes >= slots * static_cast<std::size_t>(c.intermediate_size) * 2);
   const std::size_t row_elems = slots * static_cast<std::size_t>(c.hidden_size);
   switch (p.down) {
@@ -137,14 +146,60 @@ TEST_CASE("default runs: stream GEMMs with the schedule built in them at decode,
   CHECK(line.find(std::to_string(big.workspace.total)) != std::string::npos);
 }
 
+TEST_CASE("narrow wgmma tiles where asked: N the smallest of 8, 16, 32 that holds the average rows") {
+  g::fused_settings on;
+  on.narrow = true;
+  const g::fused_plan one = plan_of(qwen3(), 1, h200, on);
+  CHECK(one.choice == g::gemm_tuning_choice::sm90_wgmma);
+  CHECK(one.family == g::gemm_family::wgmma);
+  CHECK(one.tile == g::sm90_tile::narrow);
+  CHECK(one.schedule_block_m == 8);
+  CHECK_FALSE(one.schedule_in_gemms);  // the plan kernel orders the rows
+  CHECK_FALSE(one.dependent_launch);
+  CHECK(one.down == g::down_store::accumulate);
+  CHECK(one.clear_in_gemm1);
+  CHECK_FALSE(one.combine_kernel);
+  CHECK(one.describe().find("wgmma narrow (tuning sm90_wgmma, schedule tiles of 8 rows)") != std::string::npos);
+  check_layout(one, qwen3());
+  for (const auto& [c, m, n] : {std::tuple{qwen3(), 64, 8}, std::tuple{deepseek(), 256, 8}, std::tuple{mixtral(), 32, 8},
+                                std::tuple{mixtral(), 64, 16}, std::tuple{deepseek(), 512, 16},
+                                std::tuple{mixtral(), 4096, 32}}) {
+    CAPTURE(m);
+    const g::fused_plan p = plan_of(c, m, h200, on);
+    CHECK(p.tile == g::sm90_tile::narrow);
+    CHECK(p.schedule_block_m == n);
+    check_layout(p, c);
+  }
+  // Deterministic: rows, or the f32 parts of a K split, that the combine kernel sums.
+  moe_config_params det = qwen3();
+  det.deterministic = true;
+  const g::fused_plan rows = plan_of(det, 1, h200, on);
+  CHECK(rows.tile == g::sm90_tile::narrow);
+  CHECK((rows.down == g::down_store::rows || rows.down == g::down_store::partials));
+  CHECK(rows.combine_kernel);
+  CHECK_FALSE(rows.combine_in_gemm2);
+  check_layout(rows, det);
+  // Never batch-invariant, nor where a tuning is forced, nor without tokens; off unless asked.
+  moe_config_params inv = qwen3();
+  inv.batch_invariant = true;
+  CHECK(plan_of(inv, 1, h200, on).tile == g::sm90_tile::m64n128);
+  g::fused_settings forced = with_tuning(g::gemm_tuning_choice::sm90_wgmma_m64);
+  forced.narrow = true;
+  CHECK(plan_of(qwen3(), 1, h200, forced).tile == g::sm90_tile::m64);
+  CHECK(plan_of(qwen3(), 0, h200, on).tile != g::sm90_tile::narrow);
+  for (std::int64_t m : {1, 8, 64, 512}) CHECK(plan_of(qwen3(), m).tile != g::sm90_tile::narrow);
+}
+
 TEST_CASE("deterministic decode: GEMM2's last CTA of each N tile sums the rows where the GEMMs build the schedule") {
-  // The stream GEMMs as the plan picks them, and their form with K in order (forced).
+  // The stream GEMMs as the plan picks them with the narrow tiles off, and their form with K in
+  // order (forced).
   for (const g::gemm_tuning_choice tuning : {g::gemm_tuning_choice::automatic, g::gemm_tuning_choice::stream_ordered}) {
     CAPTURE(g::gemm_tuning_name(tuning));
     const bool ordered = tuning == g::gemm_tuning_choice::stream_ordered;
     moe_config_params c = qwen3();
     c.deterministic = true;
-    const g::fused_settings s = with_tuning(tuning);
+    g::fused_settings s = with_tuning(tuning);
+    s.narrow = false;
     const g::fused_plan one = plan_of(c, 1, h200, s);  // 8 slots
     CHECK(one.family == g::gemm_family::stream);
     CHECK(one.tile == (ordered ? g::sm90_tile::stream_ordered : g::sm90_tile::stream));
@@ -232,9 +287,10 @@ TEST_CASE("batch-invariant runs stay on the wgmma kernels at every M, with GEMM2
       CHECK(p.down_k_splits == 1);
       CHECK(p.down == g::down_store::rows);
       CHECK_FALSE(p.schedule_in_gemms);
-      // The default at the same M may take the stream GEMMs; it never changes the tile rule above.
+      // The default at the same M may take the stream GEMMs or the narrow tiles; it never changes
+      // the tile rule above.
       const g::fused_plan d = plan_of(base, m);
-      if (d.family == g::gemm_family::wgmma) CHECK(d.tile == p.tile);
+      if (d.family == g::gemm_family::wgmma && d.tile != g::sm90_tile::narrow) CHECK(d.tile == p.tile);
     }
   }
   // no_combine stores each row to its slot: batch-invariant without a combine kernel.
@@ -333,8 +389,9 @@ TEST_CASE("the workspace follows the device: one sized for a MIG slice is too sm
 }
 
 TEST_CASE("settings: dependent launches and the in-GEMM schedule as set") {
-  const g::fused_plan p = plan_of(qwen3(), 1, h200, {.dependent_launch = false, .plan_in_gemms = false, .gather_a = std::nullopt,
-                                                     .hand_out = std::nullopt});
+  const g::fused_plan p = plan_of(qwen3(), 1, h200,
+                                  {.dependent_launch = false, .plan_in_gemms = false, .gather_a = std::nullopt,
+                                   .hand_out = std::nullopt, .narrow = false});
   CHECK(p.family == g::gemm_family::stream);
   CHECK_FALSE(p.dependent_launch);
   CHECK_FALSE(p.schedule_in_gemms);
@@ -538,12 +595,12 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs, fours and 128-row CTAs forced on o
   CHECK(fp8_plan_of(mixtral(), 64).tile == g::fp8_tile::m64);           // 16 rows per expert
   CHECK(forced(mixtral(), 64, {.narrow = true}).tile == g::fp8_tile::narrow);
   CHECK(forced(qwen3(), 8, {.narrow = false}).tile == g::fp8_tile::m64);
-  CHECK(g::fp8_narrow_tokens(8, 1) == 8);
-  CHECK(g::fp8_narrow_tokens(9, 1) == 16);
-  CHECK(g::fp8_narrow_tokens(31, 2) == 16);  // 16 rows each, rounded up
-  CHECK(g::fp8_narrow_tokens(33, 2) == 32);
-  CHECK(g::fp8_narrow_tokens(1000, 2) == 32);
-  CHECK(g::fp8_narrow_tokens(0, 0) == 8);
+  CHECK(g::narrow_tile_tokens(8, 1) == 8);
+  CHECK(g::narrow_tile_tokens(9, 1) == 16);
+  CHECK(g::narrow_tile_tokens(31, 2) == 16);  // 16 rows each, rounded up
+  CHECK(g::narrow_tile_tokens(33, 2) == 32);
+  CHECK(g::narrow_tile_tokens(1000, 2) == 32);
+  CHECK(g::narrow_tile_tokens(0, 0) == 8);
   // GEMM2's K splits where the plan may split, at most its K tiles; never in batch-invariant runs.
   const g::fp8_plan split3 = forced(qwen3(), 8, {.stream = false, .down_k_splits = 3});
   CHECK(split3.down_k_splits == 3);
@@ -1098,12 +1155,13 @@ TEST_CASE("work items handed out at run time: only where asked, on the wgmma GEM
       // Unasked: fixed turns.
       CHECK_FALSE(plan_of(c, m).hand_out);
       CHECK_FALSE(fp8_plan_of(c, m).hand_out);
-      // Asked: the wgmma family only, with tokens; the rest of the plan is unasked's.
+      // Asked: the wide wgmma tiles only, with tokens; the rest of the plan is unasked's.
       g::fused_settings s;
       s.hand_out = true;
       const g::fused_plan fixed = plan_of(c, m), handed = plan_of(c, m, h200, s);
       check_layout(handed, c);
-      CHECK(handed.hand_out == (handed.family == g::gemm_family::wgmma && m > 0));
+      const bool wide = handed.family == g::gemm_family::wgmma && handed.tile != g::sm90_tile::narrow;
+      CHECK(handed.hand_out == (wide && m > 0));
       CHECK(handed.tile == fixed.tile);
       CHECK(handed.workspace.total == fixed.workspace.total);
       CHECK((handed.describe().find("handed out") != std::string::npos) == handed.hand_out);

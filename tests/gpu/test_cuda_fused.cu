@@ -61,6 +61,7 @@ struct launch_settings {
   std::optional<bool> hand_out = std::nullopt;  // wgmma work items handed out at run time (unset: the plan's)
   std::optional<bool> expert_bands = std::nullopt;  // wgmma raster bands of one expert's tiles (unset: the plan's)
   std::optional<bool> down_a_tma = std::nullopt;  // wgmma GEMM2's A by TMA (unset: the plan's)
+  std::optional<bool> narrow = std::nullopt;  // the narrow decode tiles (unset: the plan's)
 };
 
 mr::MoeRunnerConfig with_deterministic(const mr::MoeRunnerConfig& cfg, bool deterministic) {
@@ -86,6 +87,7 @@ struct on_device : mr::test::moe_on_device<mr::cuda_fused_policy> {
         core.set_hand_out(ls.hand_out);
         core.set_expert_bands(ls.expert_bands);
         core.set_down_a_tma(ls.down_a_tma);
+        core.set_narrow(ls.narrow);
       }
     });
     size_workspace(p, ws_misalign);  // the K splits, and so the size, follow the tuning
@@ -148,6 +150,20 @@ void compare(const problem& p, const host_tensor& got) {
   CHECK_MESSAGE(nonzero_zero_rows == 0, nonzero_zero_rows, " rows should be exactly zero");
 }
 
+// Runs p once (output and workspace poisoned beforehand) and compares it with the reference.
+void check_run(const problem& p, tuning tu, bool det, const launch_settings& ls) {
+  // A workspace that is not 256-byte aligned: the policy aligns its pieces itself.
+  on_device g(p, tu, det, 8, ls);
+  if (!p.opt.inplace) g.fill_out(0xff);
+  MOE_CUDA_CHECK(cudaMemset(g.ws_buf.get(), 0xff, g.ws_buf.bytes()));  // nothing may rely on zeroed scratch
+  g.launch(p, nullptr);
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  compare(p, g.result(p));
+}
+
+// Every tuning in both modes; where sm_90a code runs, also the narrow decode tiles at any M
+// (the plan takes them up to 8 rows per expert, and the wide tiles' or stream GEMMs' forced
+// tunings never).
 void check_case(const shape& s, mr::dtype t, const options& o = {}, const launch_settings& ls = {}) {
   const unsigned seed = mr::test::test_seed();
   CAPTURE(seed);
@@ -156,14 +172,15 @@ void check_case(const shape& s, mr::dtype t, const options& o = {}, const launch
   for (tuning tu : tunings())
     for (bool det : both_modes) {
       CAPTURE(describe(s, t, o, tu, det));
-      // A workspace that is not 256-byte aligned: the policy aligns its pieces itself.
-      on_device g(p, tu, det, 8, ls);
-      if (!o.inplace) g.fill_out(0xff);
-      MOE_CUDA_CHECK(cudaMemset(g.ws_buf.get(), 0xff, g.ws_buf.bytes()));  // nothing may rely on zeroed scratch
-      g.launch(p, nullptr);
-      MOE_CUDA_CHECK(cudaDeviceSynchronize());
-      compare(p, g.result(p));
+      check_run(p, tu, det, ls);
     }
+  if (!mr::gpu::wgmma_gemm_available(mr::gpu::current_device_facts()) || ls.narrow) return;
+  launch_settings narrow = ls;
+  narrow.narrow = true;
+  for (bool det : both_modes) {
+    CAPTURE(describe(s, t, o, tuning::automatic, det) + " narrow tiles forced");
+    check_run(p, tuning::automatic, det, narrow);
+  }
 }
 
 constexpr mr::dtype both_types[] = {mr::dtype::bf16, mr::dtype::f16};

@@ -1,16 +1,17 @@
 // Device code only (compiled to a cubin by the kernels suite's ptxas_spills test): every sm_90a
 // wgmma GEMM the fused backends launch, for one 16-bit output type, with its work items in fixed
 // turns and (16-bit, and fp8 64-row CTAs alone or in pairs with the plain K loop) handed out at run
-// time, the fp8 GEMM2 and gated GEMM1 with store warps, and the fp8 narrow decode tiles. Their accumulators and the fp8
-// promotion's block live in registers under setmaxnreg budgets; a spill in the K loop or the
-// epilogue costs what the tile was chosen to save, so none may spill; nor may ptxas serialize
-// their wgmma (the overlapped and staggered fp8 K loops keep a group in flight across other code).
+// time, the fp8 GEMM2 and gated GEMM1 with store warps, and the narrow decode tiles (e4m3 and
+// 16-bit). Their accumulators and the fp8 promotion's block live in registers under setmaxnreg
+// budgets; a spill in the K loop or the epilogue costs what the tile was chosen to save, so none
+// may spill; nor may ptxas serialize their wgmma (the overlapped and staggered fp8 K loops keep a
+// group in flight across other code).
 #include <cuda_bf16.h>
 
 #include "moerunner/gpu/grouped_gemm_tuning.hpp"
 #include "moerunner/kernels/sm90_kernel_grouped_gemm_wgmma.cuh"
 #include "moerunner/kernels/sm90_kernel_grouped_gemm_wgmma_fp8.cuh"
-#include "moerunner/kernels/sm90_kernel_grouped_gemm_wgmma_fp8_narrow.cuh"
+#include "moerunner/kernels/sm90_kernel_grouped_gemm_wgmma_narrow.cuh"
 
 namespace k = moerunner::kernels;
 namespace g = moerunner::gpu;
@@ -29,13 +30,13 @@ using bf16 = __nv_bfloat16;
 #define MOERUNNER_WGMMA_FP8_AS(Kind, Cluster, BlockM, Loop, HandOut) \
   MOERUNNER_WGMMA_FP8_KERNEL(Kind, Cluster, BlockM, Loop, HandOut, false)
 #define MOERUNNER_WGMMA_FP8(Kind, Cluster, BlockM, Loop) MOERUNNER_WGMMA_FP8_AS(Kind, Cluster, BlockM, Loop, false)
-#define MOERUNNER_WGMMA_FP8_NARROW(Kind, N)                                                                   \
-  template __global__ void k::moe_grouped_gemm_wgmma_fp8_narrow_kernel<bf16, k::moe_gemm_kind::Kind, N>( \
-      const k::moe_gemm_fp8_params<bf16>, const __grid_constant__ CUtensorMap);
-#define MOERUNNER_WGMMA_FP8_NARROW_ALL(Kind) \
-  MOERUNNER_WGMMA_FP8_NARROW(Kind, 8)        \
-  MOERUNNER_WGMMA_FP8_NARROW(Kind, 16)       \
-  MOERUNNER_WGMMA_FP8_NARROW(Kind, 32)
+#define MOERUNNER_WGMMA_NARROW(Kind, N, Fp8)                                                               \
+  template __global__ void k::moe_grouped_gemm_wgmma_narrow_kernel<bf16, k::moe_gemm_kind::Kind, N, Fp8>( \
+      const k::narrow_params<bf16, Fp8>, const __grid_constant__ CUtensorMap);
+#define MOERUNNER_WGMMA_NARROW_ALL(Kind, Fp8) \
+  MOERUNNER_WGMMA_NARROW(Kind, 8, Fp8)        \
+  MOERUNNER_WGMMA_NARROW(Kind, 16, Fp8)       \
+  MOERUNNER_WGMMA_NARROW(Kind, 32, Fp8)
 #define MOERUNNER_WGMMA_FP8_HANDED_OUT(Kind, Cluster, BlockM) \
   MOERUNNER_WGMMA_FP8_AS(Kind, Cluster, BlockM, plain, false)  \
   MOERUNNER_WGMMA_FP8_AS(Kind, Cluster, BlockM, plain, true)
@@ -80,6 +81,9 @@ MOERUNNER_WGMMA_FP8_KERNEL(down, 1, g::fp8_block_m, plain, false, true)
 MOERUNNER_WGMMA_FP8_KERNEL(down, 2, g::fp8_block_m, plain, false, true)
 MOERUNNER_WGMMA_FP8_KERNEL(gate_up, 1, g::fp8_block_m, plain, false, true)
 MOERUNNER_WGMMA_FP8_KERNEL(gate_up, 2, g::fp8_block_m, plain, false, true)
-MOERUNNER_WGMMA_FP8_NARROW_ALL(gate_up)
-MOERUNNER_WGMMA_FP8_NARROW_ALL(up_only)
-MOERUNNER_WGMMA_FP8_NARROW_ALL(down)
+MOERUNNER_WGMMA_NARROW_ALL(gate_up, true)
+MOERUNNER_WGMMA_NARROW_ALL(up_only, true)
+MOERUNNER_WGMMA_NARROW_ALL(down, true)
+MOERUNNER_WGMMA_NARROW_ALL(gate_up, false)
+MOERUNNER_WGMMA_NARROW_ALL(up_only, false)
+MOERUNNER_WGMMA_NARROW_ALL(down, false)

@@ -33,19 +33,14 @@ inline constexpr const char* fp8_tile_name(fp8_tile t) {
                                 : "narrow";
 }
 // Narrow tiles (decode): 256 weight rows as the wgmma's M and a tile's 8, 16 or 32 tokens as its
-// N (kernels::wgmma_fp8_narrow_shape), so that a K tile's tensor work follows the tokens instead
-// of a 64-row tile's; the schedule's tiles then hold N rows. N is the smallest that holds the
-// active experts' average rows (at most 32). The plan takes them where the active experts average
-// at most fp8_narrow_max_rows_per_expert rows, before the stream GEMMs: on an H100 they measured
-// 0.2-14% faster than the plan before them on all 14 such cells of five shapes (the stream GEMMs
-// at one token included: 13-14%), equal at 16 rows (Mixtral-8x7B, 64 tokens) and 6-59% slower
-// at 16-128 rows with 512 tokens, where the 64-row tiles' weight reads serve more rows
-// (bench/NOTES.md, round 29).
+// N (kernels::wgmma_narrow_shape), so that a K tile's tensor work follows the tokens instead
+// of a 64-row tile's; the schedule's tiles then hold N rows (narrow_tile_tokens). The plan takes
+// them where the active experts average at most fp8_narrow_max_rows_per_expert rows, before the
+// stream GEMMs: on an H100 they measured 0.2-14% faster than the plan before them on all 14 such
+// cells of five shapes (the stream GEMMs at one token included: 13-14%), equal at 16 rows
+// (Mixtral-8x7B, 64 tokens) and 6-59% slower at 16-128 rows with 512 tokens, where the 64-row
+// tiles' weight reads serve more rows (bench/NOTES.md, round 29).
 inline constexpr std::int64_t fp8_narrow_max_rows_per_expert = 8;
-inline constexpr int fp8_narrow_tokens(std::int64_t slots, std::int64_t active_experts) {
-  const std::int64_t avg = active_experts > 0 ? (slots + active_experts - 1) / active_experts : 1;
-  return avg <= 8 ? 8 : avg <= 16 ? 16 : 32;
-}
 // Pairs where the active experts average at least 96 rows. A pair draws 0.6x the L2 bytes per
 // multiply-add of a 64-row CTA (each weight tile multicast into both: 48 KB per 4.2 M MAC
 // against 40 KB per 2.1 M), but pads each expert's rows to a multiple of 128 instead of 64, and
@@ -288,7 +283,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
     p.schedule_block_m = stream_gemm_fp8_policy::tuning.schedule_block_m();
   } else if (!cfg.batch_invariant() && active > 0 && narrow) {
     p.tile = fp8_tile::narrow;
-    p.schedule_block_m = fp8_narrow_tokens(slots, active);
+    p.schedule_block_m = narrow_tile_tokens(slots, active);
   } else if (!cfg.batch_invariant() && active > 0 && settings.quads.value_or(false)) {
     p.tile = fp8_tile::m64x4;
     p.schedule_block_m = fp8_quad_block_m;

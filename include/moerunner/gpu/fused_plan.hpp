@@ -4,6 +4,7 @@
 // only: it builds with the host compiler and is tested without a GPU.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -50,6 +51,7 @@ constexpr std::string_view sm90_tile_name(sm90_tile t) {
     case sm90_tile::m128: return "m128";
     case sm90_tile::m128x2: return "m128x2";
     case sm90_tile::stream_ordered: return "ordered";
+    case sm90_tile::narrow: return "narrow";
   }
   return "?";
 }
@@ -73,6 +75,12 @@ struct fused_settings {
   std::optional<bool> hand_out;          // wgmma work items handed out at run time (unset: off)
   std::optional<bool> expert_bands = std::nullopt;  // wgmma items in expert bands (unset: off; expert_bands.hpp)
   std::optional<bool> down_a_tma = std::nullopt;    // wgmma GEMM2's A rows by TMA (unset: on)
+  // The narrow decode tiles (sm90_tile::narrow) where the tile is chosen by shape (sm90_wgmma;
+  // never batch-invariant): 256 weight rows as the wgmma's M and a tile's 8, 16 or 32 tokens as
+  // its N (narrow_tile_tokens), so that a K tile's tensor work follows the tokens instead of a
+  // 64-row tile's, with the wide tiles' K order and epilogue math. Only where asked (true) until
+  // measured against the stream GEMMs they would replace at decode.
+  std::optional<bool> narrow = std::nullopt;
 };
 
 // Whether a wgmma run's work items can be handed out (hand_out_items_fit) in both GEMMs: every
@@ -243,11 +251,18 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
       case gemm_tuning_choice::sm90_wgmma_m64n128: p.tile = sm90_tile::m64n128; break;
       case gemm_tuning_choice::sm90_wgmma_m128: p.tile = sm90_tile::m128; break;
       case gemm_tuning_choice::sm90_wgmma_m128x2: p.tile = sm90_tile::m128x2; break;
-      default:
-        // Batch-invariant: the wgmma tiles at every M (their K order is the same whatever the
+      default: {
+        // Batch-invariant: the wide wgmma tiles at every M (their K order is the same whatever the
         // tile), never the stream GEMMs, whose warps split K (the one form that does not, the
-        // forced stream_ordered, measured slower than the wgmma tiles at decode).
-        p.tile = sm90_tile_for(slots, cfg.num_local_experts(), cfg.intermediate_size(), dev.sm_count, !invariant);
+        // forced stream_ordered, measured slower than the wgmma tiles at decode), nor the narrow
+        // tiles, whose GEMM2 splits K by M.
+        const std::int64_t active = std::min<std::int64_t>(cfg.num_local_experts(), slots);
+        const bool narrow = !invariant && active > 0 && settings.narrow.value_or(false);
+        p.tile = narrow ? sm90_tile::narrow
+                        : sm90_tile_for(slots, cfg.num_local_experts(), cfg.intermediate_size(), dev.sm_count,
+                                        !invariant);
+        if (narrow) p.schedule_block_m = narrow_tile_tokens(slots, active);
+      }
     }
     const bool stream = p.tile == sm90_tile::stream || p.tile == sm90_tile::stream_ordered;
     p.family = stream ? gemm_family::stream : gemm_family::wgmma;
@@ -257,10 +272,11 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
   if (p.family == gemm_family::mma) {
     p.schedule_block_m = p.choice == gemm_tuning_choice::sm90 ? sm90_gemm_policy::tuning.schedule_block_m()
                                                               : sm80_gemm_policy::tuning.schedule_block_m();
-  } else {
+  } else if (p.tile != sm90_tile::narrow) {
     p.schedule_block_m = sm90_schedule_block_m(p.tile);
     p.cluster_m = sm90_cluster_m(p.tile);
   }
+  const bool narrow = p.tile == sm90_tile::narrow;
 
   const down_store store = plan_detail::store_mode(cfg, p.family, slots);
   const std::int64_t tile_bound = moe_m_tile_bound(slots, cfg.num_local_experts(), p.schedule_block_m);
@@ -291,11 +307,12 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
   const bool combines_rows = p.combine_kernel || p.combine_in_gemm2;
   p.clear_in_gemm1 = !combines_rows && !cfg.inplace();
   p.memset_between = !combines_rows && cfg.inplace();
+  // The narrow tiles load A by cp.async and run in fixed turns.
   const bool large_tiles = p.family == gemm_family::wgmma && (p.tile == sm90_tile::m128 || p.tile == sm90_tile::m128x2);
-  p.gather_a = p.family == gemm_family::wgmma && num_tokens > 0 &&
+  p.gather_a = p.family == gemm_family::wgmma && !narrow && num_tokens > 0 &&
                settings.gather_a.value_or(large_tiles && cfg.intermediate_size() >= gather_a_min_intermediate);
-  p.down_a_tma = p.family == gemm_family::wgmma && num_tokens > 0 && settings.down_a_tma.value_or(true);
-  p.hand_out = p.family == gemm_family::wgmma && num_tokens > 0 && settings.hand_out.value_or(false) &&
+  p.down_a_tma = p.family == gemm_family::wgmma && !narrow && num_tokens > 0 && settings.down_a_tma.value_or(true);
+  p.hand_out = p.family == gemm_family::wgmma && !narrow && num_tokens > 0 && settings.hand_out.value_or(false) &&
                hand_out_fits(cfg, slots, p.schedule_block_m, p.down_k_splits, dev.sm_count);
   p.expert_bands = p.family == gemm_family::wgmma && num_tokens > 0 && settings.expert_bands.value_or(false);
   p.workspace = plan_detail::layout(cfg, num_tokens, p.down, p.down_k_splits, p.gather_a, p.combine_in_gemm2);

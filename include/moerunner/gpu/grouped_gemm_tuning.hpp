@@ -184,6 +184,39 @@ static_assert(check_wgmma_gemm_tuning(sm90_wgmma_m64_gemm_policy::tuning));
 static_assert(check_wgmma_gemm_tuning(sm90_wgmma_m64n128_gemm_policy::tuning));
 static_assert(sm90_wgmma_gemm_policy::tuning.block_m == moe_gemm_block_m);
 
+// Narrow decode tiles (kernels/sm90_kernel_grouped_gemm_wgmma_narrow.cuh, 16-bit and e4m3): 256
+// weight rows as the wgmma's M and block_m tokens (8, 16 or 32) as its N, one producer warp and
+// two consumer warpgroups, so that a K tile's tensor work follows the tokens a tile holds.
+struct wgmma_narrow_tuning {
+  int block_m;      // tokens of a tile: the wgmma's N
+  int min_arch;
+  int raster_band;  // M tiles that walk the N tiles together (see decode_work_item)
+
+  constexpr int schedule_block_m() const { return block_m; }
+  friend constexpr bool operator==(const wgmma_narrow_tuning&, const wgmma_narrow_tuning&) = default;
+};
+
+consteval bool check_wgmma_narrow_tuning(wgmma_narrow_tuning t) {
+  if (t.block_m != 8 && t.block_m != 16 && t.block_m != 32) throw "block_m must be 8, 16 or 32 (m64nNk16 shapes)";
+  if (t.min_arch != 90) throw "wgmma needs sm_90a";
+  if (t.raster_band < 1) throw "raster_band must be positive";
+  return true;
+}
+
+template <int N>
+struct sm90_wgmma_narrow_gemm_policy {
+  static constexpr wgmma_narrow_tuning tuning{
+      .block_m = N, .min_arch = 90, .raster_band = sm90_wgmma_gemm_policy::tuning.raster_band};
+  static_assert(check_wgmma_narrow_tuning(tuning));
+};
+
+// The narrow tiles' tokens for `slots` rows over `active_experts`: the smallest N that holds the
+// active experts' average rows (at most 32; an expert with more takes several tiles).
+constexpr int narrow_tile_tokens(std::int64_t slots, std::int64_t active_experts) {
+  const std::int64_t avg = active_experts > 0 ? (slots + active_experts - 1) / active_experts : 1;
+  return avg <= 8 ? 8 : avg <= 16 ? 16 : 32;
+}
+
 // Decode GEMMs for experts that see a few rows each, where a GEMM only streams weights: the
 // weight rows are the mma.sync's M and the tile's tokens its N in blocks of 8 ("swap-AB"), so
 // an 8-row tile wastes no 64-row wgmma on one token; every warp of a CTA streams the CTA's
@@ -259,7 +292,7 @@ inline constexpr int moe_gemm_min_block_m = stream_gemm_policy::tuning.block_m;
 // when GEMM1's items (at most one M tile per active expert, I/128 N tiles) fill at most half
 // the SMs (round 3: 7% faster at 48 items, 7% slower at 128). A function of the shape only,
 // so that the workspace query and the run agree.
-enum class sm90_tile : std::uint8_t { stream, m64, m64n128, m128, m128x2, stream_ordered };
+enum class sm90_tile : std::uint8_t { stream, m64, m64n128, m128, m128x2, stream_ordered, narrow };
 
 // Measured on an H200 (bench/NOTES.md, round 6): the stream GEMMs lead the 64-row wgmma tiles by
 // 5-30% at 1-2 rows per active expert (M <= 8 on the three benchmark shapes) and by 7% at 4

@@ -169,6 +169,30 @@ int prepare_wgmma_gemm(const device_facts& dev) {
   return n;
 }
 
+// What every 16-bit wgmma launch (the wide tiles' and the narrow ones') checks first: the code the
+// device runs, the sizes, and interleaved gate/up rows only where GEMM1 reads them.
+template <kernels::moe_gemm_kind Kind, class T>
+void check_wgmma_gemm(const kernels::moe_gemm_params<T>& p, const device_facts& dev, const char* where) {
+  if (!wgmma_gemm_available(dev))
+    throw unsupported_error(std::string(where) + ": the wgmma GEMMs need code compiled for sm_90a; this device (sm_" +
+                            std::to_string(dev.arch) + ") runs code compiled for sm_" + std::to_string(dev.code_arch) +
+                            " without it");
+  MOE_EXPECT(p.k > 0 && p.k % 8 == 0 && p.n > 0 && p.n % 8 == 0, where,
+             "the GEMM's n and k must be positive multiples of 8");
+  MOE_EXPECT(!p.interleaved || Kind == kernels::moe_gemm_kind::gate_up, where,
+             "only the gated GEMM1 reads interleaved gate/up rows");
+}
+
+// What every wgmma launch's work items need (16-bit and fp8): K-split parts where GEMM2 stores
+// them, a positive raster band, and expert bands only over a schedule written with them.
+template <class T>
+void check_wgmma_items(const kernels::moe_gemm_params<T>& p, const tile_schedule& schedule, const char* where) {
+  MOE_EXPECT(p.store != kernels::down_store::partials || p.partials != nullptr, where, "partials is null");
+  MOE_EXPECT(p.raster_band >= 1, where, "raster_band must be positive");
+  MOE_EXPECT(!p.expert_bands || schedule.expert_band > 0, where,
+             "expert bands need a schedule written with them (its tiles carry the band words)");
+}
+
 // Launches one grouped GEMM of a wgmma tuning (Policy: sm90_wgmma_gemm_policy,
 // sm90_wgmma_m128x2_gemm_policy, sm90_wgmma_m64_gemm_policy or sm90_wgmma_m64n128_gemm_policy,
 // whose schedule_block_m the schedule must have been built for); `p.tiles`, `p.tile_count`
@@ -181,15 +205,8 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   constexpr wgmma_gemm_tuning tuning = Policy::tuning;
   MOE_EXPECT(schedule.block_m == tuning.schedule_block_m(), where,
              "the tile schedule was built for another block_m (a cluster's CTAs share one schedule tile)");
-  if (!wgmma_gemm_available(dev))
-    throw unsupported_error(std::string(where) + ": the sm90_wgmma tuning needs code compiled for sm_90a; this device (sm_" +
-                            std::to_string(dev.arch) + ") runs code compiled for sm_" + std::to_string(dev.code_arch) +
-                            " without it");
-  MOE_EXPECT(p.k > 0 && p.k % 8 == 0 && p.n > 0 && p.n % 8 == 0, where,
-             "the GEMM's n and k must be positive multiples of 8");
+  check_wgmma_gemm<Kind>(p, dev, where);
   if (schedule.capacity == 0) return;
-  MOE_EXPECT(!p.interleaved || Kind == kernels::moe_gemm_kind::gate_up, where,
-             "only the gated GEMM1 reads interleaved gate/up rows");
   const CUtensorMap map =
       weight_tensor_map(p.b, p.b_rows_per_expert, p.n, p.k, num_experts, p.interleaved, tuning.block_n / 2);
   // A rows in plan order [a_rows, k] (GEMM1: x's, gathered by a kernel before; GEMM2: act, as
@@ -212,10 +229,7 @@ void launch_moe_gemm_wgmma(kernels::moe_gemm_params<T> p, int num_experts, const
   MOE_EXPECT(k_splits == 1 || (may_split && k_splits >= 1 && k_splits <= (p.k + tuning.block_k - 1) / tuning.block_k),
              where, "k_splits must be 1, or for GEMM2 into the output or partials at most the K tiles, got " +
                         std::to_string(k_splits));
-  MOE_EXPECT(p.store != kernels::down_store::partials || p.partials != nullptr, where, "partials is null");
-  MOE_EXPECT(p.raster_band >= 1, where, "raster_band must be positive");
-  MOE_EXPECT(!p.expert_bands || schedule.expert_band > 0, where,
-             "expert bands need a schedule written with them (its tiles carry the band words)");
+  check_wgmma_items(p, schedule, where);
   // One work item per cluster at a time: as many clusters as run at once, or as items.
   const std::int64_t work_bound = schedule.capacity * n_tiles * k_splits;
   const std::int64_t clusters = std::min<std::int64_t>({work_bound, places, 0x7fffffff / tuning.cluster_m});

@@ -87,16 +87,6 @@ void check_wgmma_fp8_gemm(const kernels::moe_gemm_params<T>& g, const device_fac
              "only the gated GEMM1 reads interleaved gate/up rows");
 }
 
-// What every fp8 wgmma launch's work items need: K-split parts where GEMM2 stores them, a
-// positive raster band, and expert bands only over a schedule written with them.
-template <class T>
-void check_wgmma_fp8_items(const kernels::moe_gemm_params<T>& g, const tile_schedule& schedule, const char* where) {
-  MOE_EXPECT(g.store != kernels::down_store::partials || g.partials != nullptr, where, "partials is null");
-  MOE_EXPECT(g.raster_band >= 1, where, "raster_band must be positive");
-  MOE_EXPECT(!g.expert_bands || schedule.expert_band > 0, where,
-             "expert bands need a schedule written with them (its tiles carry the band words)");
-}
-
 // Sets the kernel's dynamic shared memory limit once per device, checks that a CTA (a cluster of
 // them) fits, and returns how many run at once: sm_count CTAs, or the clusters resident at once
 // (a cluster needs SMs of one GPC, which may leave some SMs out).
@@ -182,7 +172,7 @@ void launch_moe_gemm_wgmma_fp8(kernels::moe_gemm_fp8_params<T> p, const std::uin
              "k_splits must be 1, or at most the K tiles: for GEMM2 into the output or partials, for GEMM1 "
              "into up_parts on 64-row CTAs alone; got " +
                  std::to_string(g.k_splits));
-  check_wgmma_fp8_items(g, schedule, where);
+  check_wgmma_items(g, schedule, where);
   const std::int64_t work_bound = schedule.capacity * n_tiles * g.k_splits;
   const std::int64_t clusters = std::min<std::int64_t>(work_bound, places);
   MOE_EXPECT(!hand_out || hand_out_items_fit(work_bound, clusters), where,

@@ -331,15 +331,15 @@ __device__ __forceinline__ void load8(float (&v)[8], const float* src) {
 // multiple of 8, so they are all in or all out), from their f32 sums `v` (and, gated GEMM1, the
 // up sums `u`; ignored otherwise) over all of K: GEMM1 adds b13 and applies the activation and
 // writes act; GEMM2 adds b2, scales by its target's factor and stores, or adds into its token's
-// output row.
+// output row. `bias` false: GEMM2's bias is another K range's to add (a K split's others).
 template <class T, moe_gemm_kind Kind>
 __device__ __forceinline__ void store_outputs8(const moe_gemm_params<T>& p, int expert, int row, int col,
-                                               float (&v)[8], float (&u)[8]) {
+                                               float (&v)[8], float (&u)[8], bool bias = true) {
   T* dst;
   if constexpr (Kind == moe_gemm_kind::down) {
     const down_target<T> t = down_target<T>::at(p, row);
     dst = t.dst + col;
-    if (p.bias != nullptr)
+    if (bias && p.bias != nullptr)
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] += bias_at(p, expert, col + j);
 #pragma unroll

@@ -184,6 +184,57 @@ __device__ __forceinline__ void wgmma_m64nk32_e4m3(float (&d)[N / 2], std::uint6
 #endif
 }
 
+// One m64nNk16 wgmma on 16-bit A and B (bf16 or f16, K-major in shared memory) for N = 8, 16 or
+// 32: D = A*B + (scale_d ? D : 0), the D layout of the wider shapes. The 16-bit narrow decode
+// tiles put 64 weight rows in A and N tokens in B.
+#define MOERUNNER_WGMMA_M64NK16(shape, ab_type, pred, ...) \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " pred ", 0;\n" \
+                 "wgmma.mma_async.sync.aligned." shape ".f32." ab_type "." ab_type " " __VA_ARGS__)
+template <class T, int N>
+__device__ __forceinline__ void wgmma_m64nk16(float (&d)[N / 2], std::uint64_t desc_a, std::uint64_t desc_b,
+                                              int scale_d) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "wgmma inputs here are bf16 or f16");
+  static_assert(N == 8 || N == 16 || N == 32, "narrow wgmma shapes: n8, n16 or n32");
+#if MOERUNNER_WGMMA_COMPILED
+  constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (N == 8) {
+#define MOERUNNER_N8(ab) \
+    MOERUNNER_WGMMA_M64NK16("m64n8k16", ab, "%6", "{%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n" \
+                            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) \
+                            : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+    if constexpr (bf16) MOERUNNER_N8("bf16");
+    else MOERUNNER_N8("f16");
+#undef MOERUNNER_N8
+  } else if constexpr (N == 16) {
+#define MOERUNNER_N16(ab) \
+    MOERUNNER_WGMMA_M64NK16("m64n16k16", ab, "%10", "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n" \
+                            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+                              "+f"(d[7]) \
+                            : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+    if constexpr (bf16) MOERUNNER_N16("bf16");
+    else MOERUNNER_N16("f16");
+#undef MOERUNNER_N16
+  } else {
+#define MOERUNNER_N32(ab) \
+    MOERUNNER_WGMMA_M64NK16("m64n32k16", ab, "%18", \
+                            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, " \
+                            "0, 0;\n}\n" \
+                            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+                              "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+                              "+f"(d[14]), "+f"(d[15]) \
+                            : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+    if constexpr (bf16) MOERUNNER_N32("bf16");
+    else MOERUNNER_N32("f16");
+#undef MOERUNNER_N32
+  }
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
+  __trap();
+#endif
+}
+
+#undef MOERUNNER_WGMMA_M64NK16
+
 __device__ __forceinline__ void wgmma_fence() {
 #if MOERUNNER_WGMMA_COMPILED
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");

@@ -70,7 +70,7 @@
 #include "moerunner/gpu/routing_plan.hpp"
 #include "moerunner/gpu/sm90_grouped_gemm_wgmma.cuh"
 #include "moerunner/gpu/sm90_grouped_gemm_wgmma_fp8.cuh"
-#include "moerunner/gpu/sm90_grouped_gemm_wgmma_fp8_narrow.cuh"
+#include "moerunner/gpu/sm90_grouped_gemm_wgmma_narrow.cuh"
 #include "moerunner/gpu/stream_gemm.cuh"
 #include "moerunner/runner/validate.hpp"
 
@@ -354,12 +354,12 @@ class cuda_fused_fp8_policy {
       // Narrow tiles: both GEMMs on the plan's N tokens per tile.
       const auto narrow = [&]<int N>() {
         if (cfg_.is_gated())
-          gpu::launch_moe_gemm_wgmma_fp8_narrow<T, moe_gemm_kind::gate_up, N>(g1, w13, experts, schedule, dev, stream,
+          gpu::launch_moe_gemm_wgmma_narrow<T, moe_gemm_kind::gate_up, N>(g1, w13, experts, schedule, dev, stream,
                                                                               gemm1_dependent);
         else
-          gpu::launch_moe_gemm_wgmma_fp8_narrow<T, moe_gemm_kind::up_only, N>(g1, w13, experts, schedule, dev, stream,
+          gpu::launch_moe_gemm_wgmma_narrow<T, moe_gemm_kind::up_only, N>(g1, w13, experts, schedule, dev, stream,
                                                                               gemm1_dependent);
-        gpu::launch_moe_gemm_wgmma_fp8_narrow<T, moe_gemm_kind::down, N>(g2, w2, experts, schedule, dev, stream,
+        gpu::launch_moe_gemm_wgmma_narrow<T, moe_gemm_kind::down, N>(g2, w2, experts, schedule, dev, stream,
                                                                          gemm2_dependent);
       };
       switch (pl.tile) {

@@ -40,7 +40,11 @@
 // weight tile by TMA multicast where they average 512 or more, single 128-row tiles between;
 // and with 64 x 128 tiles (one consumer warpgroup, eight stages) where GEMM1's 64 x 256 items
 // would leave SMs idle (gpu::sm90_tile_for). set_gemm_tuning forces one (tests, benchmarks).
-// batch_invariant keeps every M on the wgmma kernels (whose K order does not depend on the
+// set_narrow(true) runs narrow wgmma tiles instead where the tile is chosen by shape
+// (sm90_kernel_grouped_gemm_wgmma_narrow.cuh): 256 weight rows as the wgmma's M and 8, 16 or
+// 32 tokens as its N, so that a K tile's tensor work follows the tokens, fed by TMA weight boxes
+// and one producer warp's token-row copies, summing K in the wide tiles' order.
+// batch_invariant keeps every M on the wide wgmma tiles (whose K order does not depend on the
 // tile) with no K split, GEMM2 writing rows that combine sums in slot order.
 //
 // Requirements, checked with a clear error before anything runs:
@@ -94,6 +98,7 @@
 #include "moerunner/gpu/plan_schedule.cuh"
 #include "moerunner/gpu/routing_plan.hpp"
 #include "moerunner/gpu/sm90_grouped_gemm_wgmma.cuh"
+#include "moerunner/gpu/sm90_grouped_gemm_wgmma_narrow.cuh"
 #include "moerunner/gpu/stream_gemm.cuh"
 #include "moerunner/runner/validate.hpp"
 
@@ -146,6 +151,9 @@ class cuda_fused_policy {
   // Whether the wgmma GEMMs' raster bands are one expert's M tiles each (at most the raster
   // band) instead of fixed runs of tiles; unset, off (gpu::fused_plan::expert_bands).
   void set_expert_bands(std::optional<bool> on) noexcept { settings_.expert_bands = on; }
+  // Whether the narrow decode tiles run where the tile is chosen by shape (never batch-invariant;
+  // gpu::fused_settings::narrow); unset, off.
+  void set_narrow(std::optional<bool> on) noexcept { settings_.narrow = on; }
   // The stream GEMMs' use of L2 (gpu::stream_l2_use; the defaults measured fastest), for
   // measuring it.
   void set_stream_l2(const gpu::stream_l2_use& use) {
@@ -256,6 +264,13 @@ class cuda_fused_policy {
           case gpu::sm90_tile::m128x2:
             run_pipeline<gpu::sm90_wgmma_m128x2_gemm_policy>(bf16, d, q, out, ws, pl, dev, s);
             break;
+          case gpu::sm90_tile::narrow:
+            if (pl.schedule_block_m == 8)
+              run_pipeline<gpu::sm90_wgmma_narrow_gemm_policy<8>>(bf16, d, q, out, ws, pl, dev, s);
+            else if (pl.schedule_block_m == 16)
+              run_pipeline<gpu::sm90_wgmma_narrow_gemm_policy<16>>(bf16, d, q, out, ws, pl, dev, s);
+            else run_pipeline<gpu::sm90_wgmma_narrow_gemm_policy<32>>(bf16, d, q, out, ws, pl, dev, s);
+            break;
           default: run_pipeline<gpu::sm90_wgmma_gemm_policy>(bf16, d, q, out, ws, pl, dev, s); break;
         }
         break;
@@ -288,6 +303,9 @@ class cuda_fused_policy {
     if constexpr (std::is_same_v<tuning_t, gpu::wgmma_gemm_tuning>)
       gpu::launch_moe_gemm_wgmma<T, Kind, GemmPolicy>(p, cfg_.num_local_experts(), schedule, dev, stream,
                                                       dependent);
+    else if constexpr (std::is_same_v<tuning_t, gpu::wgmma_narrow_tuning>)
+      gpu::launch_moe_gemm_wgmma_narrow<T, Kind, GemmPolicy::tuning.block_m>(p, cfg_.num_local_experts(), schedule,
+                                                                            dev, stream, dependent);
     else if constexpr (std::is_same_v<tuning_t, gpu::stream_gemm_tuning>)
       gpu::launch_moe_stream_gemm<T, GemmPolicy, Kind>(p, schedule, dev, stream, dependent);
     else gpu::launch_moe_gemm<T, GemmPolicy, Kind>(p, schedule, dev, stream);
