@@ -80,7 +80,8 @@ void check_layout(const g::fused_plan& p, const moe_config_params& c) {
   if (narrow) {
     CHECK(p.family == g::gemm_family::wgmma);
     CHECK((p.schedule_block_m == 8 || p.schedule_block_m == 16 || p.schedule_block_m == 32));
-    CHECK_FALSE(p.schedule_in_gemms);
+    CHECK((!p.schedule_in_gemms || slots <= 64));  // up to 64 slots each CTA may order the rows
+    CHECK_FALSE(p.combine_in_gemm2);
     CHECK_FALSE(p.hand_out);
     CHECK(p.cluster_m == 1);
   }
@@ -154,13 +155,18 @@ TEST_CASE("narrow wgmma tiles where asked: N the smallest of 8, 16, 32 that hold
   CHECK(one.family == g::gemm_family::wgmma);
   CHECK(one.tile == g::sm90_tile::narrow);
   CHECK(one.schedule_block_m == 8);
-  CHECK_FALSE(one.schedule_in_gemms);  // the plan kernel orders the rows
+  CHECK(one.schedule_in_gemms);  // 8 slots: each CTA orders the rows, no plan kernel
   CHECK_FALSE(one.dependent_launch);
   CHECK(one.down == g::down_store::accumulate);
   CHECK(one.clear_in_gemm1);
   CHECK_FALSE(one.combine_kernel);
-  CHECK(one.describe().find("wgmma narrow (tuning sm90_wgmma, schedule tiles of 8 rows)") != std::string::npos);
+  CHECK(one.describe().find("wgmma narrow (tuning sm90_wgmma, schedule tiles of 8 rows), schedule built in the GEMMs") !=
+        std::string::npos);
   check_layout(one, qwen3());
+  g::fused_settings plan_kernel = on;
+  plan_kernel.plan_in_gemms = false;
+  CHECK_FALSE(plan_of(qwen3(), 1, h200, plan_kernel).schedule_in_gemms);
+  CHECK_FALSE(plan_of(qwen3(), 9, h200, on).schedule_in_gemms);  // 72 slots
   for (const auto& [c, m, n] : {std::tuple{qwen3(), 64, 8}, std::tuple{deepseek(), 256, 8}, std::tuple{mixtral(), 32, 8},
                                 std::tuple{mixtral(), 64, 16}, std::tuple{deepseek(), 512, 16},
                                 std::tuple{mixtral(), 4096, 32}}) {
@@ -477,7 +483,7 @@ TEST_CASE("fp8 plan: narrow tiles up to 8 rows per expert, pairs of CTAs from 96
       CHECK(p.tile == (narrow ? g::fp8_tile::narrow : pair ? g::fp8_tile::m64x2 : g::fp8_tile::m64));
       CHECK(p.describe().find(p.stream ? "stream e4m3" : "wgmma e4m3 " + std::string(g::fp8_tile_name(p.tile))) !=
             std::string::npos);
-      CHECK(p.schedule_in_gemms == (p.stream && slots <= 64));
+      CHECK(p.schedule_in_gemms == ((p.stream || p.tile == g::fp8_tile::narrow) && slots <= 64));
       check_fp8_layout(p, c);
       CHECK(p.describe().find("cuda_fused_fp8 M=" + std::to_string(m)) == 0);
       // A split keeps at least 4 K tiles of 128; the stream GEMMs never split across CTAs.
@@ -1213,8 +1219,9 @@ TEST_CASE("expert bands: only where asked, on the wgmma GEMMs, the workspace unc
       const g::fused_plan fixed = plan_of(c, m), banded = plan_of(c, m, h200, asked);
       CHECK_FALSE(fixed.expert_bands);
       CHECK(fixed.describe().find("expert bands") == std::string::npos);
-      // The stream GEMMs (decode) walk fixed bands: their schedules carry no band words.
-      CHECK(banded.expert_bands == (banded.family == g::gemm_family::wgmma && m > 0));
+      // The stream GEMMs and schedules built in the GEMMs (decode) walk fixed bands: their
+      // schedules carry no band words.
+      CHECK(banded.expert_bands == (banded.family == g::gemm_family::wgmma && !banded.schedule_in_gemms && m > 0));
       CHECK((banded.describe().find("expert bands") != std::string::npos) == banded.expert_bands);
       CHECK(banded.tile == fixed.tile);
       CHECK(banded.workspace.total == fixed.workspace.total);
@@ -1222,7 +1229,7 @@ TEST_CASE("expert bands: only where asked, on the wgmma GEMMs, the workspace unc
       const g::fp8_plan f8 = fp8_plan_of(c, m);
       const g::fp8_plan f8_banded = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, {.expert_bands = true});
       CHECK_FALSE(f8.expert_bands);
-      CHECK(f8_banded.expert_bands == (!f8_banded.stream && m > 0));
+      CHECK(f8_banded.expert_bands == (!f8_banded.stream && !f8_banded.schedule_in_gemms && m > 0));
       CHECK((f8_banded.describe().find("expert bands of 8") != std::string::npos) == f8_banded.expert_bands);
       CHECK(f8_banded.tile == f8.tile);
       CHECK(f8_banded.workspace.total == f8.workspace.total);

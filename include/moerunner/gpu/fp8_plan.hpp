@@ -181,7 +181,7 @@ struct fp8_plan {
   // stream_max_rows_per_expert rows and GEMM1's wgmma items fill under half the SMs); else the
   // wgmma GEMMs.
   bool stream = false;
-  bool schedule_in_gemms = false;      // stream: every CTA orders the rows itself (no plan kernel)
+  bool schedule_in_gemms = false;      // stream, narrow: every CTA orders the rows itself (no plan kernel)
   fp8_tile tile = fp8_tile::m64;       // wgmma: the CTA tile
   int schedule_block_m = fp8_block_m;  // stream: 8; wgmma: 64, 128 for a pair of CTAs or a 128-row CTA, 256 for four
   int cluster_m = 1;                   // wgmma CTAs on one schedule tile
@@ -278,7 +278,6 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
   p.stream = !cfg.batch_invariant() && slots > 0 &&
              settings.stream.value_or(!narrow && slots <= stream_max_rows_per_expert * active &&
                                       2 * wgmma_gemm1_items < dev.sm_count);
-  p.schedule_in_gemms = p.stream && slots <= local_plan_max_slots;
   if (p.stream) {
     p.schedule_block_m = stream_gemm_fp8_policy::tuning.schedule_block_m();
   } else if (!cfg.batch_invariant() && active > 0 && narrow) {
@@ -297,6 +296,8 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
     p.tile = fp8_tile::m128;
     p.schedule_block_m = fp8_large_block_m;
   }
+  // Up to local_plan_max_slots slots the decode GEMMs order the rows themselves: no plan kernel.
+  p.schedule_in_gemms = (p.stream || p.tile == fp8_tile::narrow) && slots <= local_plan_max_slots;
   if (!p.stream && !cfg.batch_invariant()) {
     p.k_loop = settings.k_loop.value_or(settings.hand_out.value_or(false) ? fp8_k_loop::plain : fp8_k_loop::overlap);
     if (p.tile == fp8_tile::m128 || p.tile == fp8_tile::m64x4 || p.tile == fp8_tile::narrow)
@@ -338,7 +339,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
                                  std::to_string(*settings.up_k_splits));
   if (!p.stream && p.tile == fp8_tile::m64 && !p.hand_out && !cfg.batch_invariant() && num_tokens > 0)
     p.up_k_splits = std::min(settings.up_k_splits.value_or(1), (cfg.hidden_size() + fp8_block_k - 1) / fp8_block_k);
-  p.expert_bands = !p.stream && num_tokens > 0 && settings.expert_bands.value_or(false);
+  p.expert_bands = !p.schedule_in_gemms && !p.stream && num_tokens > 0 && settings.expert_bands.value_or(false);
   p.down_a_tma = !p.stream && p.tile != fp8_tile::narrow && num_tokens > 0 && settings.down_a_tma.value_or(true);
   p.staged_down = p.down_a_tma && (p.tile == fp8_tile::m64 || p.tile == fp8_tile::m64x2) && !p.hand_out &&
                   p.down != down_store::partials &&

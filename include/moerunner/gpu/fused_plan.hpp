@@ -299,8 +299,9 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
     const std::int64_t items = tile_bound * ((cfg.hidden_size() + cols - 1) / cols);
     if (2 * items <= dev.sm_count) p.down_tile = sm90_tile::m64n128;
   }
-  p.schedule_in_gemms = p.family == gemm_family::stream && settings.plan_in_gemms && slots <= local_plan_max_slots;
-  p.combine_in_gemm2 = p.schedule_in_gemms && p.down == down_store::rows;
+  p.schedule_in_gemms = (p.family == gemm_family::stream || narrow) && settings.plan_in_gemms &&
+                        slots <= local_plan_max_slots;
+  p.combine_in_gemm2 = p.schedule_in_gemms && p.family == gemm_family::stream && p.down == down_store::rows;
   p.combine_kernel = (p.down == down_store::rows || p.down == down_store::partials) && !p.combine_in_gemm2;
   p.dependent_launch = settings.dependent_launch.value_or(p.family == gemm_family::stream);
   // Rows summed per token (by a kernel or in GEMM2) write every output element: nothing to zero.
@@ -314,7 +315,8 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
   p.down_a_tma = p.family == gemm_family::wgmma && !narrow && num_tokens > 0 && settings.down_a_tma.value_or(true);
   p.hand_out = p.family == gemm_family::wgmma && !narrow && num_tokens > 0 && settings.hand_out.value_or(false) &&
                hand_out_fits(cfg, slots, p.schedule_block_m, p.down_k_splits, dev.sm_count);
-  p.expert_bands = p.family == gemm_family::wgmma && num_tokens > 0 && settings.expert_bands.value_or(false);
+  p.expert_bands = p.family == gemm_family::wgmma && !p.schedule_in_gemms && num_tokens > 0 &&
+                   settings.expert_bands.value_or(false);
   p.workspace = plan_detail::layout(cfg, num_tokens, p.down, p.down_k_splits, p.gather_a, p.combine_in_gemm2);
   return p;
 }

@@ -1,6 +1,7 @@
 // Host launch code of the narrow decode tiles (sm90_kernel_grouped_gemm_wgmma_narrow.cuh), e4m3
 // or 16-bit: the weights' TMA descriptor encoded per launch (host only, graph-capturable), one
-// persistent CTA per SM, the M-tile schedule built by the routing plan with N-row tiles.
+// persistent CTA per SM, the M-tile schedule of N-row tiles built by the routing plan or, with
+// local_ids, by each CTA.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -34,8 +35,10 @@ void launch(kernels::narrow_params<T, Fp8>& p, kernels::moe_gemm_params<T>& g, c
   using tile_t = kernels::moe_gemm_wgmma_narrow<T, Kind, N, Fp8>;
   MOE_EXPECT(schedule.block_m == N, where, "the tile schedule was built for another block_m");
   if (schedule.capacity == 0) return;
-  MOE_EXPECT(g.item_counter == nullptr && g.local_ids == nullptr, where,
-             "narrow tiles run in fixed turns over the plan's schedule");
+  MOE_EXPECT(g.item_counter == nullptr, where, "narrow tiles run in fixed turns");
+  MOE_EXPECT(g.local_ids == nullptr || (g.local_slots <= kernels::local_plan_max_slots && !g.expert_bands), where,
+             "a schedule built in the GEMMs holds at most " + std::to_string(kernels::local_plan_max_slots) +
+                 " slots, and no expert bands");
   const bool may_split = Kind == kernels::moe_gemm_kind::down &&
                          (g.store == kernels::down_store::accumulate || g.store == kernels::down_store::partials);
   const int k_tiles = (g.k + tile_t::block_k - 1) / tile_t::block_k;

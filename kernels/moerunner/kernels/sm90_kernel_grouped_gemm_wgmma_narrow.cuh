@@ -45,6 +45,7 @@
 #include "moerunner/kernels/activation_math.cuh"
 #include "moerunner/kernels/kernel_fp8_gemm_params.cuh"
 #include "moerunner/kernels/kernel_grouped_gemm.cuh"
+#include "moerunner/kernels/kernel_local_plan.cuh"
 #include "moerunner/kernels/kernel_quantize_fp8.cuh"
 #include "moerunner/kernels/pdl.cuh"
 #include "moerunner/kernels/sm90_ptx.cuh"
@@ -62,6 +63,14 @@ __device__ __forceinline__ const moe_gemm_params<T>& gemm_of(const moe_gemm_para
 }
 template <class T>
 __device__ __forceinline__ const moe_gemm_params<T>& gemm_of(const moe_gemm_fp8_params<T>& p) {
+  return p.g;
+}
+template <class T>
+__device__ __forceinline__ moe_gemm_params<T>& gemm_of(moe_gemm_params<T>& p) {
+  return p;
+}
+template <class T>
+__device__ __forceinline__ moe_gemm_params<T>& gemm_of(moe_gemm_fp8_params<T>& p) {
   return p.g;
 }
 
@@ -88,12 +97,14 @@ struct wgmma_narrow_shape {
   static constexpr int staging_row_bytes = 4 * staging_cols + 16;
   static constexpr int staging_bytes = N * staging_row_bytes;
   static constexpr int consumers = 2, consumer_threads = 128 * consumers, threads = consumer_threads + 32;
-  // As many stages as fit beside the staging tile (2 KB for alignment and static shared memory).
-  static constexpr int stages_fit = (227 * 1024 - staging_bytes - 2048) / stage_bytes;
+  // As many stages as fit beside the staging tile (4 KB for alignment and static shared memory:
+  // the barriers and a local plan).
+  static constexpr int stages_fit = (227 * 1024 - staging_bytes - 4096) / stage_bytes;
   static constexpr int stages = stages_fit > 8 ? 8 : stages_fit;
   static constexpr int smem_bytes = stages * stage_bytes + staging_bytes + 1024;
   static_assert(stages >= 4, "the ring must hold at least four stages");
   static_assert(smem_bytes + 8 * 1024 <= (1 << 18), "descriptor start addresses are 14 bits of bytes / 16");
+  static_assert(smem_bytes + 3072 <= 227 * 1024, "the ring, the staging tile and the static shared memory fit");
 };
 
 template <class T, moe_gemm_kind Kind, int N, bool Fp8>
@@ -459,14 +470,18 @@ struct moe_gemm_wgmma_narrow : wgmma_narrow_shape<Kind, N, Fp8> {
 };
 
 // Persistent CTAs over work items in decode_work_item's order, in fixed turns (GEMM2's K in
-// g.k_splits ranges into the output or f32 parts). The body exists only in sm_90a code;
-// elsewhere it traps (the launch code checks first).
+// g.k_splits ranges into the output or f32 parts). With g.local_ids (a few slots at decode)
+// each CTA orders the rows and cuts the tiles itself in shared memory (kernel_local_plan.cuh;
+// GEMM1's first CTA reports bad ids and writes slot_to_row where asked), so that no plan
+// kernel runs before. The body exists only in sm_90a code; elsewhere it traps (the launch code
+// checks first).
 template <class T, moe_gemm_kind Kind, int N, bool Fp8>
 __global__ void __launch_bounds__(wgmma_narrow_shape<Kind, N, Fp8>::threads, 1)
     moe_grouped_gemm_wgmma_narrow_kernel(const narrow_params<T, Fp8> p, const __grid_constant__ CUtensorMap b_map) {
 #if MOERUNNER_WGMMA_COMPILED
   using tile_t = moe_gemm_wgmma_narrow<T, Kind, N, Fp8>;
   __shared__ typename tile_t::barriers bars;
+  __shared__ local_plan plan;
   extern __shared__ unsigned char wgmma_narrow_smem_raw[];
   const std::uint32_t raw = smem_address(wgmma_narrow_smem_raw);
   unsigned char* ring = wgmma_narrow_smem_raw + (((raw + 1023) & ~1023u) - raw);
@@ -481,8 +496,25 @@ __global__ void __launch_bounds__(wgmma_narrow_shape<Kind, N, Fp8>::threads, 1)
   __syncthreads();
   wait_for_prior_grids();
   allow_dependent_grids();
-  if (threadIdx.x >= tile_t::consumer_threads) tile_t::producer(p, &b_map, ring, bars);
-  else tile_t::consumer(p, ring, bars);
+  const auto run = [&](const narrow_params<T, Fp8>& q) {
+    if (threadIdx.x >= tile_t::consumer_threads) tile_t::producer(q, &b_map, ring, bars);
+    else tile_t::consumer(q, ring, bars);
+  };
+  const moe_gemm_params<T>& g = gemm_of(p);
+  if (g.local_ids != nullptr) {
+    const bool writes_plan = Kind != moe_gemm_kind::down && blockIdx.x == 0;
+    build_local_plan<tile_t::threads>(g.local_ids, g.local_slots, g.local_experts, N, plan,
+                                      writes_plan ? g.local_error : nullptr, writes_plan ? g.local_status : nullptr,
+                                      writes_plan ? g.local_slot_to_row : nullptr);
+    narrow_params<T, Fp8> q = p;
+    moe_gemm_params<T>& qg = gemm_of(q);
+    qg.tiles = plan.tiles;
+    qg.tile_count = &plan.tile_count;
+    qg.row_to_slot = plan.row_to_slot;
+    run(q);
+  } else {
+    run(p);
+  }
 #else
   (void)p, (void)b_map;
   __trap();

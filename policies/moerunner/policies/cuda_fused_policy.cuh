@@ -43,7 +43,8 @@
 // set_narrow(true) runs narrow wgmma tiles instead where the tile is chosen by shape
 // (sm90_kernel_grouped_gemm_wgmma_narrow.cuh): 256 weight rows as the wgmma's M and 8, 16 or
 // 32 tokens as its N, so that a K tile's tensor work follows the tokens, fed by TMA weight boxes
-// and one producer warp's token-row copies, summing K in the wide tiles' order.
+// and one producer warp's token-row copies, summing K in the wide tiles' order; up to 64 slots
+// they too build the schedule themselves.
 // batch_invariant keeps every M on the wide wgmma tiles (whose K order does not depend on the
 // tile) with no K split, GEMM2 writing rows that combine sums in slot order.
 //
@@ -134,9 +135,10 @@ class cuda_fused_policy {
     raster_band_ = band;
   }
   void set_dependent_launch(bool on) noexcept { settings_.dependent_launch = on; }
-  // Whether the stream GEMMs build the schedule themselves at decode instead of the plan
-  // kernel (see the pipeline above). On by default: measured 12% faster on Qwen3-30B-A3B at one
-  // token, 1-4% at 8 tokens (bench/NOTES.md); off runs the plan kernel (benchmarks, tests).
+  // Whether the decode GEMMs (stream, narrow) build the schedule themselves up to 64 slots
+  // instead of the plan kernel (see the pipeline above). On by default: with the stream GEMMs
+  // measured 12% faster on Qwen3-30B-A3B at one token, 1-4% at 8 tokens (bench/NOTES.md); off
+  // runs the plan kernel (benchmarks, tests).
   void set_plan_in_gemms(bool on) noexcept { settings_.plan_in_gemms = on; }
   // Whether the wgmma GEMM1 loads A by TMA from x's rows gathered in plan order (M*k*H*2 more
   // workspace bytes) instead of gathering them itself by cp.async; unset, with the 128-row
