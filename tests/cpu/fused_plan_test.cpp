@@ -483,7 +483,15 @@ TEST_CASE("fp8 plan: narrow tiles up to 8 rows per expert, pairs of CTAs from 96
       CHECK(p.tile == (narrow ? g::fp8_tile::narrow : pair ? g::fp8_tile::m64x2 : g::fp8_tile::m64));
       CHECK(p.describe().find(p.stream ? "stream e4m3" : "wgmma e4m3 " + std::string(g::fp8_tile_name(p.tile))) !=
             std::string::npos);
-      CHECK(p.schedule_in_gemms == ((p.stream || p.tile == g::fp8_tile::narrow) && slots <= 64));
+      CHECK(p.schedule_in_gemms == (p.stream && slots <= 64));
+      // The narrow tiles order the rows themselves only where asked (up to 64 slots).
+      g::fp8_settings local;
+      local.schedule_in_gemms = true;
+      const g::fp8_plan q = g::make_fp8_plan(MoeRunnerConfig(c), m, h200, local);
+      CHECK(q.tile == p.tile);
+      CHECK(q.schedule_in_gemms == (p.tile == g::fp8_tile::narrow && slots <= 64));
+      CHECK((q.describe().find("built in the GEMMs") != std::string::npos) == q.schedule_in_gemms);
+      check_fp8_layout(q, c);
       check_fp8_layout(p, c);
       CHECK(p.describe().find("cuda_fused_fp8 M=" + std::to_string(m)) == 0);
       // A split keeps at least 4 K tiles of 128; the stream GEMMs never split across CTAs.
@@ -534,6 +542,8 @@ TEST_CASE("fp8 plan: the stream GEMMs, pairs, fours and 128-row CTAs forced on o
   CHECK(stream_prefill.schedule_block_m == 8);
   CHECK(stream_prefill.describe().find("stream e4m3") != std::string::npos);
   CHECK_FALSE(forced(mixtral(), 0, {.stream = true, .pairs = std::nullopt}).stream);  // nothing to run
+  CHECK(forced(qwen3(), 1, {.stream = true, .pairs = std::nullopt}).schedule_in_gemms);
+  CHECK_FALSE(forced(qwen3(), 1, {.stream = true, .pairs = std::nullopt, .schedule_in_gemms = false}).schedule_in_gemms);
   // Pairs off where the rule pairs, on where it would not.
   CHECK(fp8_plan_of(mixtral(), 16384).cluster_m == 2);  // 4096 rows per expert
   const g::fp8_plan single = forced(mixtral(), 16384, {.stream = std::nullopt, .pairs = false, .tall = false});

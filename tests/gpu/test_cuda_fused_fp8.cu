@@ -214,6 +214,8 @@ double check_case(const shape& s, mr::dtype t, const options& o, std::mt19937& r
     CHECK(g.runner.describe(s.m).find("wgmma e4m3 m64x2") != std::string::npos);
   if (forced.narrow.value_or(false) && !forced.stream.value_or(false) && s.m > 0)
     CHECK(g.runner.describe(s.m).find("wgmma e4m3 narrow") != std::string::npos);
+  if (forced.schedule_in_gemms.value_or(false) && s.m > 0 && s.m * s.k <= 64)
+    CHECK(g.runner.describe(s.m).find("built in the GEMMs") != std::string::npos);
   if (forced.tall.value_or(false) && !forced.pairs.value_or(false) && s.m > 0)
     CHECK(g.runner.describe(s.m).find("wgmma e4m3 m128") != std::string::npos);
   if (forced.expert_bands.value_or(false) && !forced.stream.value_or(false) && s.m > 0)
@@ -720,6 +722,18 @@ TEST_CASE("fp8 against the reference's fp8 path") {
       narrow_case({8, 16, 4, 256, 384}, {.gated = false}, false, sc);
       narrow_case({8, 16, 4, 256, 256}, {.interleaved = true}, false, sc);
     }
+    // Each CTA ordering the rows itself (up to 64 slots, no plan kernel): GEMM1's first CTA
+    // reports bad ids and writes slot_to_row for the deterministic combine.
+    mr::gpu::fp8_settings local;
+    local.schedule_in_gemms = true;
+    const auto block = mr::fp8_weight_scaling::block128;
+    for (int m : {1, 3, 8, 32}) narrow_case({m, 8, 2, 512, 384}, {}, false, block, local);
+    narrow_case({8, 16, 4, 256, 256}, {.deterministic = true}, false, block, local);
+    narrow_case({4, 8, 2, 1024, 2048}, {.deterministic = true}, false, block, {.down_k_splits = 3, .schedule_in_gemms = true});
+    narrow_case({8, 16, 4, 256, 256}, {.ids = ids_kind::filtered, .no_combine = true}, false, block, local);
+    narrow_case({8, 16, 4, 256, 256}, {.ids = ids_kind::all_filtered}, false, block, local);
+    narrow_case({12, 16, 1, 256, 256}, {.weight_on_input = true}, false, block, local);
+    narrow_case({8, 16, 4, 256, 256}, {.inplace = true}, false, block, local);
   }
   SUBCASE("per-tensor and per-channel weight scales") {
     for (mr::fp8_weight_scaling sc : {mr::fp8_weight_scaling::per_tensor, mr::fp8_weight_scaling::per_channel}) {
@@ -959,18 +973,24 @@ TEST_CASE("fp8: bad input is rejected before anything runs") {
 TEST_CASE("fp8: bad ids are counted in the status word") {
   if (!fp8_gpu()) return;
   std::mt19937 rng(mr::test::test_seed());
-  for (int m : {8, 40}) {  // the schedule built in the stream GEMMs, the plan kernel's
-    CAPTURE(m);
-    fp8_problem p({m, 8, 2, 256, 256}, mr::dtype::bf16, {}, rng);
-    p.base.ids.view.ptr<std::int32_t>()[3 * 2 + 1] = 1000;
-    fp8_on_device g(p);
-    mr::test::device_status st;
-    g.status = st.get();
-    g.run_once(p);
-    const mr::moe_status s = st.read();
-    CHECK(s.bad_slots == 1);
-    CHECK(s.first_bad_slot == 3 * 2 + 1);
-  }
+  // 8 tokens: the narrow tiles after the plan kernel, or building the schedule themselves (16
+  // slots); 40: the wide tiles (10 rows per expert) after the plan kernel.
+  for (const bool local : {false, true})
+    for (int m : {8, 40}) {
+      CAPTURE(m);
+      CAPTURE(local);
+      fp8_problem p({m, 8, 2, 256, 256}, mr::dtype::bf16, {}, rng);
+      p.base.ids.view.ptr<std::int32_t>()[3 * 2 + 1] = 1000;
+      mr::gpu::fp8_settings f;
+      f.schedule_in_gemms = local;
+      fp8_on_device g(p, f);
+      mr::test::device_status st;
+      g.status = st.get();
+      g.run_once(p);
+      const mr::moe_status s = st.read();
+      CHECK(s.bad_slots == 1);
+      CHECK(s.first_bad_slot == 3 * 2 + 1);
+    }
 }
 
 int main(int argc, char** argv) {

@@ -216,13 +216,14 @@ def reference(kind, x, row_to_slot, top_k, w, n, k, offsets, input_weights):
     return out
 
 
-def run_case(rng, kind, tokens, num_experts, top_k, n, k, grid, weights_on_input=False, one_expert=False):
+def routed_problem(rng, kind, tokens, num_experts, top_k, n, k, weights_on_input, one_expert):
+    """Random routing sorted by expert (row_to_slot, offsets), x (GEMM2: the act rows), weights
+    [E, halves * n, k] and the router weights where applied on the input."""
     slots = tokens * top_k
     ids = rng.integers(0, num_experts, size=slots)
     if one_expert:
         ids[:] = num_experts // 2
-    order = np.argsort(ids, kind="stable")
-    row_to_slot = order.astype(np.int64)
+    row_to_slot = np.argsort(ids, kind="stable").astype(np.int64)
     counts = np.bincount(ids, minlength=num_experts)
     offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
     halves = 2 if kind == "gate_up" else 1
@@ -231,6 +232,12 @@ def run_case(rng, kind, tokens, num_experts, top_k, n, k, grid, weights_on_input
     x = (rng.integers(-8, 9, size=(x_rows, k)) / 8.0).astype(np.float32)
     w = (rng.integers(-8, 9, size=(num_experts, halves * n, k)) / 64.0).astype(np.float32)
     input_weights = rng.random(slots).astype(np.float32) if weights_on_input else None
+    return x, row_to_slot, offsets, w, input_weights
+
+
+def run_case(rng, kind, tokens, num_experts, top_k, n, k, grid, weights_on_input=False, one_expert=False):
+    x, row_to_slot, offsets, w, input_weights = routed_problem(rng, kind, tokens, num_experts, top_k, n, k,
+                                                               weights_on_input, one_expert)
     got = simulate(kind, x, row_to_slot, top_k, w, n, k, offsets, input_weights, grid)
     want = reference(kind, x, row_to_slot, top_k, w, n, k, offsets, input_weights)
     unwritten = int(np.isnan(got).sum())

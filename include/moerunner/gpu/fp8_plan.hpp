@@ -171,6 +171,10 @@ struct fp8_settings {
   // before fours, pairs and 128-row CTAs), except in batch-invariant runs; unset:
   // fp8_narrow_max_rows_per_expert's rule.
   std::optional<bool> narrow = std::nullopt;
+  // The decode GEMMs order the rows themselves up to local_plan_max_slots slots, no plan kernel
+  // (fp8_plan::schedule_in_gemms): unset, the stream GEMMs do (as measured with cuda_fused's) and
+  // the narrow tiles do not (their plan kernel was in every measurement so far).
+  std::optional<bool> schedule_in_gemms = std::nullopt;
 };
 
 struct fp8_plan {
@@ -296,8 +300,10 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
     p.tile = fp8_tile::m128;
     p.schedule_block_m = fp8_large_block_m;
   }
-  // Up to local_plan_max_slots slots the decode GEMMs order the rows themselves: no plan kernel.
-  p.schedule_in_gemms = (p.stream || p.tile == fp8_tile::narrow) && slots <= local_plan_max_slots;
+  // Up to local_plan_max_slots slots the decode GEMMs may order the rows themselves: no plan kernel.
+  const bool local_plan = p.stream ? settings.schedule_in_gemms.value_or(true)
+                                   : p.tile == fp8_tile::narrow && settings.schedule_in_gemms.value_or(false);
+  p.schedule_in_gemms = local_plan && slots <= local_plan_max_slots;
   if (!p.stream && !cfg.batch_invariant()) {
     p.k_loop = settings.k_loop.value_or(settings.hand_out.value_or(false) ? fp8_k_loop::plain : fp8_k_loop::overlap);
     if (p.tile == fp8_tile::m128 || p.tile == fp8_tile::m64x4 || p.tile == fp8_tile::narrow)

@@ -22,9 +22,11 @@
 //      kernel sums in slot order, or (no_combine) each row to its [token, slot] place; where
 //      its items are few GEMM2 also splits K.
 // At decode (active experts average at most 8 rows, not batch-invariant) both GEMMs run narrow
-// tiles instead (sm90_kernel_grouped_gemm_wgmma_fp8_narrow.cuh): 256 weight rows as the wgmma's
+// tiles instead (sm90_kernel_grouped_gemm_wgmma_narrow.cuh): 256 weight rows as the wgmma's
 // M and the schedule tile's 8, 16 or 32 tokens as its N, the same per-128-K promotion, the
-// epilogues through an f32 staging tile (GEMM1 quantizes act per token and 128 columns there).
+// epilogues through an f32 staging tile (GEMM1 quantizes act per token and 128 columns there);
+// where asked (set_schedule_in_gemms) every CTA orders the rows itself up to 64 slots (no plan
+// kernel).
 // Where asked (set_stream_gemms) the stream GEMMs on e4m3 instead (kernel_stream_gemm.cuh,
 // mma.sync m16n8k32 with the same promotion): up to 64 slots they order the rows themselves (no
 // plan kernel), GEMM1 writes f32 act that the input rows' quantizer turns into e4m3 + scales
@@ -96,8 +98,9 @@ class cuda_fused_fp8_policy {
   // GEMMs' K loop or raster band (or bands of one expert's tiles), their work items handed out at
   // run time, GEMM2's K splits, its rows for the combine kernel against its reductions into the
   // output, its A rows by TMA against cp.async, its sums stored by store warps, dependent launches
-  // of the GEMMs, GEMM1's K splits, GEMM1's act quantized by store warps or the narrow decode
-  // tiles (unset: the plan's rules), for measuring one against the other (gpu::fp8_settings).
+  // of the GEMMs, GEMM1's K splits, GEMM1's act quantized by store warps, the narrow decode
+  // tiles or the decode GEMMs' own schedule (unset: the plan's rules), for measuring one against
+  // the other (gpu::fp8_settings).
   // set_settings forces them all at once (what it leaves unset, the rules decide).
   void set_settings(const gpu::fp8_settings& forced) noexcept { settings_ = forced; }
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
@@ -118,6 +121,7 @@ class cuda_fused_fp8_policy {
   void set_staged_down(std::optional<bool> on) noexcept { settings_.staged_down = on; }
   void set_dependent_gemms(std::optional<bool> on) noexcept { settings_.dependent_gemms = on; }
   void set_narrow(std::optional<bool> on) noexcept { settings_.narrow = on; }
+  void set_schedule_in_gemms(std::optional<bool> on) noexcept { settings_.schedule_in_gemms = on; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its
@@ -204,8 +208,9 @@ class cuda_fused_fp8_policy {
     start = (start + gpu::plan_piece_alignment - 1) / gpu::plan_piece_alignment * gpu::plan_piece_alignment;
     char* base = reinterpret_cast<char*>(start);
 
-    // At decode the stream GEMMs may order the rows themselves (no plan kernel): only the plan's
-    // pieces are carved here, and GEMM1's first CTA writes the error flag, status and slot_to_row.
+    // At decode the stream GEMMs and the narrow tiles may order the rows themselves (no plan
+    // kernel): only the plan's pieces are carved here, and GEMM1's first CTA writes the error
+    // flag, status and slot_to_row.
     const int experts = cfg_.num_local_experts();
     gpu::routing_plan plan;
     gpu::tile_schedule schedule;
