@@ -48,7 +48,8 @@
 // N, at every M: the stream GEMMs off; cuda_fused_narrow_pdl with programmatic dependent
 // launches), cuda_fused_fp8_wide (the narrow tiles off: the plan before them),
 // cuda_fused_fp8_local_plan (the narrow tiles ordering the rows themselves up to 64 slots, no
-// plan kernel; cuda_fused_narrow does by default).
+// plan kernel; cuda_fused_narrow does by default), cuda_fused_narrow32 and cuda_fused_fp8_narrow32
+// (the narrow tiles at every M with 32 tokens per tile, whatever the average rows).
 // With the wgmma GEMMs' work items handed out at run time (set_hand_out): cuda_fused_handed_out,
 // cuda_fused_m128x2_handed_out, cuda_fused_fp8_handed_out, cuda_fused_fp8_single_handed_out and
 // cuda_fused_fp8_pairs_handed_out, each the row of the same name without the suffix otherwise.
@@ -170,6 +171,7 @@ struct backend_variant {
   std::optional<bool> fp8_staged_up = std::nullopt;  // cuda_fused_fp8: GEMM1's store warps (unset: the plan's)
   std::optional<bool> narrow = std::nullopt;  // the narrow decode tiles forced on or off (unset: the plan's)
   std::optional<bool> fp8_schedule_in_gemms = std::nullopt;  // cuda_fused_fp8: the decode GEMMs' own schedule (unset: the plan's)
+  std::optional<int> narrow_tokens = std::nullopt;  // the narrow tiles' tokens per tile (unset: the plan's)
 };
 constexpr backend_variant backend_variants[] = {
     {"cuda_fused_det", "cuda_fused", mr::gpu::gemm_tuning_choice::automatic, true, true},
@@ -275,6 +277,10 @@ constexpr backend_variant backend_variants[] = {
      .fp8_schedule_in_gemms = true},
     {.label = "cuda_fused_narrow", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .narrow = true},
+    {.label = "cuda_fused_narrow32", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .narrow = true, .narrow_tokens = 32},
+    {.label = "cuda_fused_fp8_narrow32", .backend = "cuda_fused_fp8", .tuning = mr::gpu::gemm_tuning_choice::automatic,
+     .deterministic = false, .by_default = false, .fp8_stream = false, .narrow = true, .narrow_tokens = 32},
     {.label = "cuda_fused_narrow_pdl", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
      .deterministic = false, .by_default = false, .dependent = true, .narrow = true},
     {.label = "cuda_fused_expert_bands", .backend = "cuda_fused", .tuning = mr::gpu::gemm_tuning_choice::automatic,
@@ -790,6 +796,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_expert_bands(variant->expert_bands);
           core.set_down_a_tma(variant->down_a_tma);
           core.set_narrow(variant->narrow);
+          core.set_narrow_tokens(variant->narrow_tokens);
         } else if constexpr (requires { core.set_stream_gemms(variant->fp8_stream); }) {
           core.set_stream_gemms(variant->fp8_stream);
           core.set_pairs(variant->fp8_pairs);
@@ -807,6 +814,7 @@ cell_result run_backend(const std::string& name, const shape_desc& sh, std::int6
           core.set_up_k_splits(variant->fp8_up_k_splits);
           core.set_staged_up(variant->fp8_staged_up);
           core.set_narrow(variant->narrow);
+          core.set_narrow_tokens(variant->narrow_tokens);
           core.set_schedule_in_gemms(variant->fp8_schedule_in_gemms);
         } else {
           throw std::runtime_error(name + ": the backend has no GEMM tuning to set");

@@ -176,6 +176,22 @@ TEST_CASE("narrow wgmma tiles where asked: N the smallest of 8, 16, 32 that hold
     CHECK(p.schedule_block_m == n);
     check_layout(p, c);
   }
+  // N forced (measuring a wider tile than the average rows ask); a count no wgmma takes is refused.
+  g::fused_settings wide_n = on;
+  wide_n.narrow_tokens = 32;
+  CHECK(plan_of(mixtral(), 64, h200, wide_n).schedule_block_m == 32);
+  check_layout(plan_of(mixtral(), 64, h200, wide_n), mixtral());
+  wide_n.narrow_tokens = 24;
+  CHECK_THROWS_WITH_AS(plan_of(mixtral(), 64, h200, wide_n), "make_fused_plan: narrow_tokens must be 8, 16 or 32, got 24",
+                       moerunner::invalid_argument_error);
+  g::fused_settings unread;
+  unread.narrow_tokens = 24;
+  CHECK(plan_of(mixtral(), 64, h200, unread).tile == g::sm90_tile::m64);  // not taken: not read
+  const g::fp8_plan f8 = g::make_fp8_plan(MoeRunnerConfig(deepseek()), 512, h200, {.narrow = true, .narrow_tokens = 32});
+  CHECK(f8.tile == g::fp8_tile::narrow);
+  CHECK(f8.schedule_block_m == 32);
+  CHECK_THROWS_WITH_AS(g::make_fp8_plan(MoeRunnerConfig(deepseek()), 1, h200, {.narrow_tokens = 12}),
+                       "make_fp8_plan: narrow_tokens must be 8, 16 or 32, got 12", moerunner::invalid_argument_error);
   // Deterministic: rows, or the f32 parts of a K split, that the combine kernel sums.
   moe_config_params det = qwen3();
   det.deterministic = true;

@@ -175,6 +175,9 @@ struct fp8_settings {
   // (fp8_plan::schedule_in_gemms): unset, the stream GEMMs do (as measured with cuda_fused's) and
   // the narrow tiles do not (their plan kernel was in every measurement so far).
   std::optional<bool> schedule_in_gemms = std::nullopt;
+  // The narrow tiles' tokens (8, 16 or 32) instead of narrow_tile_tokens' (for measuring a wider
+  // N than the average rows ask).
+  std::optional<int> narrow_tokens = std::nullopt;
 };
 
 struct fp8_plan {
@@ -286,7 +289,7 @@ inline fp8_plan make_fp8_plan(const MoeRunnerConfig& cfg, std::int64_t num_token
     p.schedule_block_m = stream_gemm_fp8_policy::tuning.schedule_block_m();
   } else if (!cfg.batch_invariant() && active > 0 && narrow) {
     p.tile = fp8_tile::narrow;
-    p.schedule_block_m = narrow_tile_tokens(slots, active);
+    p.schedule_block_m = narrow_tokens_of(settings.narrow_tokens, slots, active, "make_fp8_plan");
   } else if (!cfg.batch_invariant() && active > 0 && settings.quads.value_or(false)) {
     p.tile = fp8_tile::m64x4;
     p.schedule_block_m = fp8_quad_block_m;

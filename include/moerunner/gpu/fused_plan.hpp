@@ -81,7 +81,19 @@ struct fused_settings {
   // 64-row tile's, with the wide tiles' K order and epilogue math. Only where asked (true) until
   // measured against the stream GEMMs they would replace at decode.
   std::optional<bool> narrow = std::nullopt;
+  // The narrow tiles' tokens (8, 16 or 32) instead of narrow_tile_tokens' (for measuring a wider
+  // N than the average rows ask).
+  std::optional<int> narrow_tokens = std::nullopt;
 };
+
+// The narrow tiles' N: `forced` (8, 16 or 32; else refused, naming `where`) or narrow_tile_tokens'.
+inline int narrow_tokens_of(std::optional<int> forced, std::int64_t slots, std::int64_t active, const char* where) {
+  if (!forced) return narrow_tile_tokens(slots, active);
+  if (*forced != 8 && *forced != 16 && *forced != 32)
+    throw invalid_argument_error(std::string(where) + ": narrow_tokens must be 8, 16 or 32, got " +
+                                 std::to_string(*forced));
+  return *forced;
+}
 
 // Whether a wgmma run's work items can be handed out (hand_out_items_fit) in both GEMMs: every
 // wgmma CTA covers 64 output columns or more, and K splits are GEMM2's only.
@@ -261,7 +273,7 @@ inline fused_plan make_fused_plan(const MoeRunnerConfig& cfg, const fused_settin
         p.tile = narrow ? sm90_tile::narrow
                         : sm90_tile_for(slots, cfg.num_local_experts(), cfg.intermediate_size(), dev.sm_count,
                                         !invariant);
-        if (narrow) p.schedule_block_m = narrow_tile_tokens(slots, active);
+        if (narrow) p.schedule_block_m = narrow_tokens_of(settings.narrow_tokens, slots, active, "make_fused_plan");
       }
     }
     const bool stream = p.tile == sm90_tile::stream || p.tile == sm90_tile::stream_ordered;

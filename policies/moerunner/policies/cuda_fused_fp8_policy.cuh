@@ -99,8 +99,8 @@ class cuda_fused_fp8_policy {
   // run time, GEMM2's K splits, its rows for the combine kernel against its reductions into the
   // output, its A rows by TMA against cp.async, its sums stored by store warps, dependent launches
   // of the GEMMs, GEMM1's K splits, GEMM1's act quantized by store warps, the narrow decode
-  // tiles or the decode GEMMs' own schedule (unset: the plan's rules), for measuring one against
-  // the other (gpu::fp8_settings).
+  // tiles, their tokens per tile or the decode GEMMs' own schedule (unset: the plan's rules), for
+  // measuring one against the other (gpu::fp8_settings).
   // set_settings forces them all at once (what it leaves unset, the rules decide).
   void set_settings(const gpu::fp8_settings& forced) noexcept { settings_ = forced; }
   void set_stream_gemms(std::optional<bool> on) noexcept { settings_.stream = on; }
@@ -122,6 +122,7 @@ class cuda_fused_fp8_policy {
   void set_dependent_gemms(std::optional<bool> on) noexcept { settings_.dependent_gemms = on; }
   void set_narrow(std::optional<bool> on) noexcept { settings_.narrow = on; }
   void set_schedule_in_gemms(std::optional<bool> on) noexcept { settings_.schedule_in_gemms = on; }
+  void set_narrow_tokens(std::optional<int> n) noexcept { settings_.narrow_tokens = n; }
   std::string describe(std::int64_t num_tokens) const { return plan(num_tokens).describe(); }
 
   // Alignment slack + routing plan + schedule + x in e4m3 with its scales + act in e4m3 with its

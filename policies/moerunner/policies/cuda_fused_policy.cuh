@@ -156,6 +156,9 @@ class cuda_fused_policy {
   // Whether the narrow decode tiles run where the tile is chosen by shape (never batch-invariant;
   // gpu::fused_settings::narrow); unset, off.
   void set_narrow(std::optional<bool> on) noexcept { settings_.narrow = on; }
+  // Their tokens per tile (8, 16 or 32; unset: the smallest that holds the active experts'
+  // average rows), for measuring; another count is refused by a plan that takes them.
+  void set_narrow_tokens(std::optional<int> n) noexcept { settings_.narrow_tokens = n; }
   // The stream GEMMs' use of L2 (gpu::stream_l2_use; the defaults measured fastest), for
   // measuring it.
   void set_stream_l2(const gpu::stream_l2_use& use) {
