@@ -1,9 +1,9 @@
 // The cuda_fused backend against the CPU reference on fresh random data, run through
 // MoeRunner<reference_policy, cuda_fused_policy>, with every GEMM tuning the GPU runs (on
 // Hopper with sm_90a code: the automatic wgmma one, and the mma.sync sm80 and sm90 ones
-// forced) in both combine modes (atomics in GEMM2's epilogue, and deterministic), plus what
-// is particular to it: sizes that are not multiples of its tiles, K split at decode, a
-// misaligned workspace, its own requirement checks, and CUDA-graph capture.
+// forced, and the narrow decode tiles) in both combine modes (atomics in GEMM2's epilogue, and
+// deterministic), plus what is particular to it: sizes that are not multiples of its tiles, K
+// split at decode, a misaligned workspace, its own requirement checks, and CUDA-graph capture.
 //
 // Error bounds, normwise over the whole output: ||out - ref|| / ||ref|| <= 1e-2 for bf16 and
 // 2e-3 for fp16 (a few units of each dtype's rounding: act, the rows and the output, or the
@@ -161,9 +161,9 @@ void check_run(const problem& p, tuning tu, bool det, const launch_settings& ls)
   compare(p, g.result(p));
 }
 
-// Every tuning in both modes; where sm_90a code runs, also the narrow decode tiles at any M
-// (the plan takes them up to 8 rows per expert, and the wide tiles' or stream GEMMs' forced
-// tunings never).
+// Every tuning in both modes; where sm_90a code runs, also the narrow decode tiles forced at any
+// M (the plan takes them only where asked, and never under a forced tuning), building the
+// schedule themselves up to 64 slots.
 void check_case(const shape& s, mr::dtype t, const options& o = {}, const launch_settings& ls = {}) {
   const unsigned seed = mr::test::test_seed();
   CAPTURE(seed);
