@@ -73,18 +73,14 @@ void finish_up_parts_fp8(const kernels::moe_gemm_fp8_params<T>& g1, bool gated, 
   MOE_CUDA_CHECK_LAUNCH("finish_up_parts_kernel");
 }
 
-// What every fp8 wgmma launch needs (wide or narrow tiles): sm_90a code, n and k whole scale
-// blocks, interleaved gate/up rows only in the gated GEMM1.
+// What every fp8 wgmma launch needs (wide or narrow tiles): every wgmma launch's checks
+// (check_wgmma_gemm: sm_90a code, interleaved gate/up rows only in the gated GEMM1), and n and k
+// whole scale blocks.
 template <kernels::moe_gemm_kind Kind, class T>
 void check_wgmma_fp8_gemm(const kernels::moe_gemm_params<T>& g, const device_facts& dev, const char* where) {
-  if (!wgmma_gemm_available(dev))
-    throw unsupported_error(std::string(where) + ": the fp8 GEMMs need code compiled for sm_90a; this device (sm_" +
-                            std::to_string(dev.arch) + ") runs code compiled for sm_" + std::to_string(dev.code_arch) +
-                            " without it");
-  MOE_EXPECT(g.k > 0 && g.k % kernels::fp8_group == 0 && g.n > 0 && g.n % kernels::fp8_group == 0, where,
+  check_wgmma_gemm<Kind>(g, dev, where);
+  MOE_EXPECT(g.k % kernels::fp8_group == 0 && g.n % kernels::fp8_group == 0, where,
              "the GEMM's n and k must be positive multiples of 128 (the scale blocks)");
-  MOE_EXPECT(!g.interleaved || Kind == kernels::moe_gemm_kind::gate_up, where,
-             "only the gated GEMM1 reads interleaved gate/up rows");
 }
 
 // Sets the kernel's dynamic shared memory limit once per device, checks that a CTA (a cluster of

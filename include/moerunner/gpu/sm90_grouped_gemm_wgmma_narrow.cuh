@@ -62,6 +62,15 @@ void launch(kernels::narrow_params<T, Fp8>& p, kernels::moe_gemm_params<T>& g, c
 
 }  // namespace narrow_detail
 
+// Calls f.template operator()<N>() for the plan's tokens per narrow tile n (8, 16 or 32): the
+// kernel instantiation a run's schedule_block_m names.
+template <class F>
+void with_narrow_tokens(int n, F&& f) {
+  if (n == 8) f.template operator()<8>();
+  else if (n == 16) f.template operator()<16>();
+  else f.template operator()<32>();
+}
+
 // Launches one fp8 grouped GEMM on narrow tiles of N tokens over `schedule` (built for N-row
 // tiles); b is the e4m3 weights [num_experts, p.g.b_rows_per_expert, p.g.k]. Fills p.g.tiles,
 // tile_count and n_tiles. GEMM2 may split K into the output (accumulate) or f32 parts; GEMM1

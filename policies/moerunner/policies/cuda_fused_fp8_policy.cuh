@@ -370,9 +370,7 @@ class cuda_fused_fp8_policy {
       };
       switch (pl.tile) {
         case gpu::fp8_tile::narrow:
-          if (pl.schedule_block_m == 8) narrow.template operator()<8>();
-          else if (pl.schedule_block_m == 16) narrow.template operator()<16>();
-          else narrow.template operator()<32>();
+          gpu::with_narrow_tokens(pl.schedule_block_m, narrow);
           break;
         case gpu::fp8_tile::m64x2: m64.template operator()<2>(); break;
         case gpu::fp8_tile::m64x4: gemms.template operator()<4, gpu::fp8_block_m, gpu::fp8_k_loop::plain>(); break;

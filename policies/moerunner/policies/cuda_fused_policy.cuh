@@ -270,11 +270,9 @@ class cuda_fused_policy {
             run_pipeline<gpu::sm90_wgmma_m128x2_gemm_policy>(bf16, d, q, out, ws, pl, dev, s);
             break;
           case gpu::sm90_tile::narrow:
-            if (pl.schedule_block_m == 8)
-              run_pipeline<gpu::sm90_wgmma_narrow_gemm_policy<8>>(bf16, d, q, out, ws, pl, dev, s);
-            else if (pl.schedule_block_m == 16)
-              run_pipeline<gpu::sm90_wgmma_narrow_gemm_policy<16>>(bf16, d, q, out, ws, pl, dev, s);
-            else run_pipeline<gpu::sm90_wgmma_narrow_gemm_policy<32>>(bf16, d, q, out, ws, pl, dev, s);
+            gpu::with_narrow_tokens(pl.schedule_block_m, [&]<int N>() {
+              run_pipeline<gpu::sm90_wgmma_narrow_gemm_policy<N>>(bf16, d, q, out, ws, pl, dev, s);
+            });
             break;
           default: run_pipeline<gpu::sm90_wgmma_gemm_policy>(bf16, d, q, out, ws, pl, dev, s); break;
         }
